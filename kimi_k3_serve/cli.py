@@ -1,0 +1,78 @@
+"""The ``kimi-k3-serve`` command.
+
+Each subcommand lives in ``kimi_k3_serve.commands.<name>`` and exposes ``add_arguments(parser)`` and
+``run(args) -> int``; this module only wires them up and turns our errors into one line and an exit code:
+0 success / fits, 1 does not fit, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from typing import Sequence
+
+from kimi_k3_serve import __version__
+from kimi_k3_serve.errors import ConfigError, DoesNotFitError, KimiK3ServeError
+
+EXIT_OK = 0
+EXIT_DOES_NOT_FIT = 1
+EXIT_BAD_INPUT = 2
+
+# name -> (module, one-line help). Modules are imported only when their command runs, so
+# `kimi-k3-serve memory` never pays for Ray or vLLM imports.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "memory": ("kimi_k3_serve.commands.memory", "per-GPU memory of one layout (vLLM 0.32 accounting)"),
+    "plan": ("kimi_k3_serve.commands.plan", "find the best layout of a model on a declared cluster"),
+    "check": ("kimi_k3_serve.commands.check", "will this deploy config fit its cluster? (CI/CD gate)"),
+    "render": ("kimi_k3_serve.commands.render", "write a Ray cluster launcher / KubeRay file from a deploy config"),
+}
+
+
+def _available_commands() -> dict[str, tuple[str, str]]:
+    found = {}
+    for name, (module, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            found[name] = (module, help_text)
+    return found
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own bad-input path: same exit code as ours
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kimi-k3-serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kimi-k3-serve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, (module, help_text) in _available_commands().items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        command_parser.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(command_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except DoesNotFitError as exc:
+        print(f"does not fit: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    except KimiK3ServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
