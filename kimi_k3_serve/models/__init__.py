@@ -1,0 +1,91 @@
+"""Model inventories from ``config.json``: ``load_model(source)``.
+
+``source`` is ``"kimi-k3"`` or ``"kimi-k3-dspark"`` (configs shipped with the package, so planning works
+offline), a path to a ``config.json``, or a checkpoint folder holding one. An architecture or config field
+the inventory does not know is an UnsupportedModelError naming it, never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from kimi_k3_serve.errors import ConfigError, UnsupportedModelError
+from kimi_k3_serve.models import drafts, gqa_dense, gqa_moe, kimi_k3, mla_moe
+from kimi_k3_serve.models.inventory import ModelInventory
+
+SHIPPED = {"kimi-k3": "kimi-k3.json", "kimi-k3-dspark": "kimi-k3-dspark.json"}
+
+_BUILDERS: dict[str, Callable[..., ModelInventory]] = {
+    arch: module.build
+    for module in (kimi_k3, gqa_dense, gqa_moe, mla_moe, drafts)
+    for arch in module.ARCHITECTURES
+}
+
+SUPPORTED_ARCHITECTURES = tuple(sorted(_BUILDERS))
+
+_CACHE: dict[tuple[str, float], ModelInventory] = {}
+
+
+def read_config(source: str | Path) -> tuple[dict[str, Any], str, str]:
+    """(config dict, display name, source description) for a shipped name, a config.json or a folder."""
+    text = str(source)
+    if text in SHIPPED:
+        raw = resources.files("kimi_k3_serve.models").joinpath("data", SHIPPED[text]).read_text()
+        return _parse(raw, text), text, f"package data {SHIPPED[text]}"
+    path = Path(text).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError("model", text, f"expected {' or '.join(SHIPPED)}, a config.json path, or a checkpoint folder with config.json")
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return _parse(path.read_text(), str(path)), name, str(path)
+
+
+def _parse(raw: str, where: str) -> dict[str, Any]:
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("model", where, f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(config, dict):
+        raise ConfigError("model", where, "config.json must hold a JSON object")
+    return config
+
+
+def architecture_of(config: Mapping[str, Any], *, source: str | None = None) -> str:
+    archs = config.get("architectures")
+    if not archs and isinstance(config.get("text_config"), Mapping):
+        archs = config["text_config"].get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise UnsupportedModelError("architectures", archs, "config.json must name its architecture", source=source)
+    arch = archs[0]
+    if arch not in _BUILDERS:
+        raise UnsupportedModelError("architectures", arch, f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}", source=source)
+    return arch
+
+
+def inventory_from_config(config: Mapping[str, Any], *, name: str = "model", source: str | None = None) -> ModelInventory:
+    arch = architecture_of(config, source=source)
+    return _BUILDERS[arch](config, arch, name=name, source=source)
+
+
+def load_model(source: str | Path) -> ModelInventory:
+    """The inventory of a shipped model name, a ``config.json`` or a checkpoint folder (cached per file)."""
+    text = str(source)
+    stamp = 0.0
+    if text not in SHIPPED:
+        path = Path(text).expanduser()
+        target = path / "config.json" if path.is_dir() else path
+        stamp = target.stat().st_mtime if target.is_file() else 0.0
+    key = (text, stamp)
+    cached = _CACHE.get(key)
+    if cached is None:
+        config, name, where = read_config(source)
+        cached = inventory_from_config(config, name=name, source=where)
+        _CACHE[key] = cached
+    return cached
+
+
+__all__ = ["ModelInventory", "SUPPORTED_ARCHITECTURES", "inventory_from_config", "load_model", "read_config"]

@@ -1,0 +1,149 @@
+"""Speculative-decoding drafts that vLLM builds on the last pipeline stage.
+
+- ``LlamaForCausalLMEagle3`` (vLLM ``llama_eagle3.py``): one or more Llama decoder layers whose first
+  attention reads ``2 * hidden`` (embedding + fused target features), a replicated ``fc`` fusing three
+  target hidden states, its own (possibly smaller) ``lm_head``; the input embedding is the target's.
+- ``K3DSparkModel`` (vLLM ``models/kimi_k3/nvidia/dspark_mla.py``): dense MLA decoder layers (RoPE, no
+  output gate, ``non_causal_multi_token_decode``), a replicated ``context_proj`` over the tapped target
+  layers, a replicated per-layer ``context_kv_proj``, and a replicated Markov head; it shares the target's
+  embedding and lm_head (``k3_dspark.py`` requires ``draft_vocab_size == vocab_size``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from kimi_k3_serve.models.common import ConfigReader, gated_mlp, gqa_attention, norm
+from kimi_k3_serve.models.inventory import (
+    REPLICATED,
+    TP_DIM0,
+    TP_DIM1,
+    VOCAB,
+    ActivationWidths,
+    DraftInfo,
+    GqaKv,
+    LayerInventory,
+    MlaKv,
+    ModelInventory,
+    TensorSpec,
+)
+from kimi_k3_serve.models.kimi_k3 import absorbed_mla_copies
+from kimi_k3_serve.models.quant import model_dtype_of, parse_quantization
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "K3DSparkModel")
+
+
+def build(config: Mapping[str, Any], architecture: str, *, name: str, source: str | None) -> ModelInventory:
+    if architecture == "K3DSparkModel":
+        return _dspark(config, name=name, source=source)
+    return _eagle3(config, name=name, source=source)
+
+
+def _eagle3(config: Mapping[str, Any], *, name: str, source: str | None) -> ModelInventory:
+    r = ConfigReader(config, source)
+    dtype = model_dtype_of(config, source=source)
+    q = parse_quantization(config, dtype, source=source)
+    hidden = r.require("hidden_size")
+    heads = r.require("num_attention_heads")
+    kv_heads = r.get("num_key_value_heads", heads)
+    head_dim = r.get("head_dim") or hidden // heads
+    inter = r.require("intermediate_size")
+    vocab = r.require("vocab_size")
+    draft_vocab = r.get("draft_vocab_size") or vocab
+    target_hidden = r.get("target_hidden_size") or hidden
+    num_layers = r.get("num_hidden_layers", 1)
+    layers = []
+    for i in range(num_layers):
+        prefix = "midlayer" if num_layers == 1 else f"layers.{i}"
+        tensors = gqa_attention(q, f"{prefix}.self_attn", hidden, heads, kv_heads, head_dim,
+                                input_size=2 * hidden if i == 0 else hidden, category="draft")
+        tensors += gated_mlp(q, f"{prefix}.mlp", hidden, inter, "draft")
+        tensors += [norm(f"{prefix}.input_layernorm", hidden, dtype, "draft"), norm(f"{prefix}.post_attention_layernorm", hidden, dtype, "draft")]
+        if i == 0:
+            tensors.append(norm(f"{prefix}.hidden_norm", hidden, dtype, "draft"))
+        layers.append(LayerInventory(i, "gqa", "dense", tuple(tensors), GqaKv(kv_heads, head_dim, head_dim)))
+    extra = [
+        TensorSpec("fc.weight", (hidden, 3 * target_hidden), dtype, REPLICATED, "draft"),
+        norm("norm", hidden, dtype, "draft"),
+        TensorSpec("lm_head.weight", (draft_vocab, hidden), dtype, VOCAB, "draft"),
+    ]
+    if draft_vocab != vocab:
+        extra += [TensorSpec("d2t", (draft_vocab,), "int64", REPLICATED, "draft"),
+                  TensorSpec("t2d", (vocab,), "uint8", REPLICATED, "draft")]
+    return ModelInventory(
+        name=name, architecture="LlamaForCausalLMEagle3", family="eagle3", dtype=dtype, hidden_size=hidden, vocab_size=vocab,
+        layers=tuple(layers), embedding=(), head=(),
+        widths=ActivationWidths(hidden, inter, heads, head_dim),
+        quantization=q.describe(), max_position_embeddings=r.get("max_position_embeddings", 0),
+        num_attention_heads=heads, num_kv_heads=kv_heads, draft_extra=tuple(extra),
+        draft=DraftInfo("eagle3", shares_target_embedding=True, shares_target_lm_head=False),
+        tp_divisors=(("num_attention_heads", heads),), source=source or name,
+    )
+
+
+def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> ModelInventory:
+    r = ConfigReader(config, source)
+    dtype = model_dtype_of(config, source=source)
+    q = parse_quantization(config, dtype, source=source)
+    hidden = r.require("hidden_size")
+    heads = r.require("num_attention_heads")
+    inter = r.require("intermediate_size")
+    vocab = r.require("vocab_size")
+    q_lora = r.get("q_lora_rank")
+    if not q_lora:
+        r.reject("q_lora_rank", q_lora, "MLA DSpark requires q_lora_rank (vLLM k3_dspark.py)")
+    draft_vocab = r.get("draft_vocab_size") or vocab
+    if draft_vocab != vocab:
+        r.reject("draft_vocab_size", draft_vocab, f"MLA DSpark shares the target lm_head: must equal vocab_size {vocab}")
+    for flag in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm"):
+        if r.get(flag, False):
+            r.reject(flag, True, "MLA DSpark does not support it (vLLM k3_dspark.py)")
+    target_ids = tuple(int(i) for i in r.require("target_layer_ids", list))
+    if r.get("num_target_layers") != len(target_ids):
+        r.reject("num_target_layers", r.get("num_target_layers"), f"must equal len(target_layer_ids) = {len(target_ids)}")
+    kv_lora = r.require("kv_lora_rank")
+    rope = r.require("qk_rope_head_dim")
+    nope = r.require("qk_nope_head_dim")
+    v_dim = r.require("v_head_dim")
+    num_layers = r.require("num_hidden_layers")
+    layers = []
+    for i in range(num_layers):
+        p = f"layers.{i}"
+        tensors = [
+            *q.linear(f"{p}.self_attn.fused_qkv_a_proj", q_lora + kv_lora + rope, hidden, REPLICATED, "draft"),
+            norm(f"{p}.self_attn.q_a_layernorm", q_lora, dtype, "draft"),
+            *q.linear(f"{p}.self_attn.q_b_proj", heads * (nope + rope), q_lora, TP_DIM0, "draft"),
+            norm(f"{p}.self_attn.kv_a_layernorm", kv_lora, dtype, "draft"),
+            *q.linear(f"{p}.self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora, TP_DIM0, "draft"),
+            *q.linear(f"{p}.self_attn.o_proj", hidden, heads * v_dim, TP_DIM1, "draft"),
+            absorbed_mla_copies(f"{p}.self_attn", heads, nope, v_dim, kv_lora, dtype),
+            *gated_mlp(q, f"{p}.mlp", hidden, inter, "draft", merged=True),
+            norm(f"{p}.input_layernorm", hidden, dtype, "draft"),
+            norm(f"{p}.post_attention_layernorm", hidden, dtype, "draft"),
+        ]
+        layers.append(LayerInventory(i, "mla", "dense", tuple(tensors), MlaKv(kv_lora, rope)))
+    target_hidden = r.get("target_hidden_size") or hidden
+    markov = r.require("markov_rank")
+    extra = [
+        TensorSpec("context_proj.weight", (hidden, target_hidden * len(target_ids)), dtype, REPLICATED, "draft"),
+        norm("context_norm", hidden, dtype, "draft"),
+        TensorSpec("context_kv_proj.weight", ((kv_lora + rope) * num_layers, hidden), dtype, REPLICATED, "draft"),
+        norm("final_norm", hidden, dtype, "draft"),
+        TensorSpec("markov_head.markov_w1.weight", (vocab, markov), dtype, REPLICATED, "draft"),
+        TensorSpec("markov_head.markov_w2.weight", (draft_vocab, markov), dtype, REPLICATED, "draft"),
+    ]
+    if r.get("enable_confidence_head", False):
+        width = hidden + (markov if r.get("confidence_head_with_markov", False) else 0)
+        extra += [TensorSpec("confidence_head.weight", (1, width), dtype, REPLICATED, "draft"),
+                  TensorSpec("confidence_head.bias", (1,), dtype, REPLICATED, "draft")]
+    block = r.get("block_size")
+    return ModelInventory(
+        name=name, architecture="K3DSparkModel", family="dspark", dtype=dtype, hidden_size=hidden, vocab_size=vocab,
+        layers=tuple(layers), embedding=(), head=(),
+        widths=ActivationWidths(hidden, inter, heads, nope + rope),
+        quantization=q.describe(), max_position_embeddings=r.get("max_position_embeddings", 0),
+        num_attention_heads=heads, num_kv_heads=heads, draft_extra=tuple(extra),
+        draft=DraftInfo("dspark", shares_target_embedding=True, shares_target_lm_head=True,
+                        num_speculative_tokens_default=int(block) if block else None, target_layer_ids=target_ids),
+        tp_divisors=(("num_attention_heads", heads),), source=source or name,
+    )
