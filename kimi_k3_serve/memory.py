@@ -1,0 +1,560 @@
+"""Per-GPU memory of one vLLM 0.32 engine layout, before anything is launched.
+
+For every rank: budget ``ceil(gpu_memory_utilization x total)``; non-KV = weights (exact, from the
+inventory's sharding rules, per PP stage) + draft (last stage) + activation peak, non-torch memory, the
+CUDA-graph pool and workspaces (estimates, each with its margin); the rest is the KV pool, cut into blocks
+exactly as vLLM 0.32 does (``kimi_k3_serve.kvcache``), with the engine's block count the minimum over ranks.
+A rank "fits" when it can start (free >= budget) and its pool holds one ``max_model_len`` request.
+
+Identical ranks (same stage, same device) are computed once; the inventory caches per-layer bytes per
+TP/EP shape, so a Kimi-K3 estimate costs well under a millisecond after the first call. Pure Python.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.kvcache import (
+    FP8_DS_MLA_BYTES_PER_TOKEN,
+    MLA_HYBRID_MIN_BLOCK,
+    AttentionPageSpec,
+    KvGrouping,
+    LayerSpec,
+    StatePageSpec,
+    group_layers,
+    hybrid_block_size,
+    plan_pool,
+)
+from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice
+from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
+from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
+from kimi_k3_serve.units import GiB, MiB, cdiv
+
+NON_TORCH_TP1 = GiB // 4
+NON_TORCH_TP_MULTI = int(2.1 * GiB)
+"""Post-snapshot non-torch memory measured by the llm-d v0.19 H100 sweep (vllm-memory.md 1.2, 5):
+~0.25 GiB at TP1, ~2.1 GiB at TP >= 2 (custom all-reduce buffers)."""
+PRE_SNAPSHOT_CONTEXT = GiB // 2
+PRE_SNAPSHOT_NCCL = GiB
+"""CUDA context (~0.5 GiB) and NCCL communicators (~1 GiB at TP >= 2) exist before vLLM's snapshot: they sit
+outside the budget and must fit in the (1 - util) headroom (vllm-memory.md 1.2)."""
+FLASHINFER_MXFP4_WORKSPACE = int(1.6 * GiB)
+"""FlashInfer TRTLLM MXFP4 MoE allocates ~1.6 GiB outside vLLM's pool on the first forward on Blackwell
+(kimi-k3-facts.md 2.5); charged to the headroom, not to the KV budget."""
+KV_DTYPE_BYTES = {"auto": 0, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A number vLLM only knows after profiling: our value, its margin and how we got it."""
+
+    name: str
+    stage: int
+    bytes: int
+    margin_bytes: int
+    basis: str
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    pp_stage: int
+    tp_rank: int
+    dp_rank: int
+    total_bytes: int
+    free_bytes: int
+    weights_bytes: int
+    weights_by_category: Mapping[str, int]
+    draft_bytes: int
+    activation_bytes: int
+    cuda_graph_bytes: int
+    non_torch_bytes: int
+    workspace_bytes: int
+    budget_bytes: int
+    kv_cache_bytes: int
+    kv_bytes_per_token: float
+    block_size: int
+    page_bytes: int
+    bytes_per_block: int
+    state_bytes_per_seq: int
+    num_blocks: int
+    shortfall_bytes: int
+    headroom_bytes: int
+    local_layers: int = 0
+
+    @property
+    def non_kv_bytes(self) -> int:
+        return (self.weights_bytes + self.draft_bytes + self.activation_bytes + self.cuda_graph_bytes
+                + self.non_torch_bytes + self.workspace_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank,
+            "total_bytes": self.total_bytes, "free_bytes": self.free_bytes,
+            "weights_bytes": self.weights_bytes, "weights_by_category": dict(self.weights_by_category),
+            "kv_bytes_per_token": self.kv_bytes_per_token, "block_size": self.block_size, "page_bytes": self.page_bytes,
+            "bytes_per_block": self.bytes_per_block, "state_bytes_per_seq": self.state_bytes_per_seq,
+            "activation_bytes": self.activation_bytes, "cuda_graph_bytes": self.cuda_graph_bytes,
+            "non_torch_bytes": self.non_torch_bytes, "workspace_bytes": self.workspace_bytes, "draft_bytes": self.draft_bytes,
+            "budget_bytes": self.budget_bytes, "kv_cache_bytes": self.kv_cache_bytes, "num_blocks": self.num_blocks,
+            "shortfall_bytes": self.shortfall_bytes, "headroom_bytes": self.headroom_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    layout: Layout
+    engine: EngineSettings
+    ranks: tuple[RankMemory, ...]
+    num_blocks: int
+    block_size: int
+    kv_cache_tokens: int
+    max_concurrency: float
+    blocks_per_request: int
+    fits: bool
+    shortfall_bytes: int
+    binding_rank: int
+    estimates: tuple[Estimate, ...]
+    optimisations: Optimisations
+    notes: tuple[str, ...]
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    enable_prefix_caching: bool = True
+    stage_layers: tuple[tuple[int, int], ...] = ()
+    kv_grouping: str = ""
+    num_kv_groups: int = 0
+    padding_layers: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def stage_ranks(self) -> list[RankMemory]:
+        """The first rank of every stage (ranks of a stage on identical devices are identical)."""
+        seen: dict[int, RankMemory] = {}
+        for r in self.ranks:
+            seen.setdefault(r.pp_stage, r)
+        return [seen[s] for s in sorted(seen)]
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "layout": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "dp": lay.dp, "dcp": lay.dcp,
+                       "layer_partition": [e - s for s, e in self.stage_layers]},
+            "ranks": [r.to_json() for r in self.ranks],
+            "engine": {
+                "num_blocks": self.num_blocks, "block_size": self.block_size, "kv_cache_tokens": self.kv_cache_tokens,
+                "max_concurrency": self.max_concurrency, "blocks_per_request": self.blocks_per_request,
+                "max_model_len": self.engine.max_model_len, "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "gpu_memory_utilization": self.engine.gpu_memory_utilization,
+                "kv_cache_dtype": self.engine.kv_cache_dtype, "enable_prefix_caching": self.enable_prefix_caching,
+                "kv_cache_groups": self.num_kv_groups, "kv_grouping": self.kv_grouping, "padding_layers": self.padding_layers,
+            },
+            "fits": self.fits,
+            "shortfall_bytes": self.shortfall_bytes,
+            "binding_rank": self.binding_rank,
+            "estimates": [
+                {"name": e.name, "stage": e.stage, "bytes": e.bytes, "margin_bytes": e.margin_bytes, "basis": e.basis}
+                for e in self.estimates
+            ],
+            "optimisations": self.optimisations.to_json(),
+            "env": self.optimisations.env,
+            "notes": list(self.notes),
+        }
+
+
+# -- engine defaults ----------------------------------------------------------------------------------
+
+def batch_defaults(total_bytes: int, device_name: str = "") -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) for the OpenAI server from vLLM 0.32
+    ``EngineArgs.get_batch_defaults`` (engine/arg_utils.py): >= 160 GiB: 16384 / 1024; >= 70 GiB and not an
+    A100: 8192 / 1024; otherwise 2048 / 256."""
+    if total_bytes >= 160 * GiB:
+        return 16384, 1024
+    if total_bytes >= 70 * GiB and "a100" not in device_name.lower():
+        return 8192, 1024
+    return 2048, 256
+
+
+def default_block_size(model: ModelInventory, cc: tuple[int, int]) -> int:
+    """The block size vLLM 0.32 picks before hybrid alignment (platforms ``update_block_size_for_backend``):
+    MLA on SM100 -> FLASHINFER_MLA (kernel blocks 32/64, 16 unsupported) -> 32; otherwise 16."""
+    if model.uses_mla and cc[0] == 10:
+        return 32
+    return 16
+
+
+def stage_layer_ranges(num_layers: int, layout: Layout) -> list[tuple[int, int]]:
+    """vLLM ``get_pp_indices``: an even split, the remainder on the stages before the last
+    (``VLLM_PP_LAYER_PARTITION`` = ``layout.layer_partition`` overrides)."""
+    pp = layout.pp
+    if layout.layer_partition is not None:
+        parts = list(layout.layer_partition)
+        if sum(parts) != num_layers:
+            raise ConfigError("layout.layer_partition", list(parts), f"must sum to the model's {num_layers} layers")
+    else:
+        if pp > num_layers:
+            raise ConfigError("layout.pp", pp, f"must be <= the model's {num_layers} layers")
+        parts = [num_layers // pp] * pp
+        for i in range(2, num_layers % pp + 2):
+            parts[-i] += 1
+    out, start = [], 0
+    for n in parts:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+# -- the estimate -------------------------------------------------------------------------------------
+
+def estimate_memory(
+    model: ModelInventory,
+    layout: Layout,
+    engine: EngineSettings,
+    devices: RankDevice | Sequence[RankDevice],
+    *,
+    optimisations: Optimisations | None = None,
+) -> MemoryReport:
+    """Per-rank memory of ``model`` under ``layout`` and ``engine`` on ``devices`` (one per world rank in
+    vLLM's rank order, or one for all). Raises ConfigError for a layout vLLM would refuse."""
+    world = layout.world_size
+    if isinstance(devices, RankDevice):
+        devs = [devices] * world
+    else:
+        devs = list(devices)
+        if len(devs) == 1:
+            devs = devs * world
+        if len(devs) != world:
+            raise ConfigError("devices", len(devs), f"expected one device per rank (world size {world}) or one for all")
+    _validate(model, layout, engine)
+    notes: list[str] = []
+    ref = min(devs, key=lambda d: d.total_bytes)
+    cc = ref.compute_capability
+    d_mnbt, d_seqs = batch_defaults(ref.total_bytes, ref.name)
+    seqs = engine.max_num_seqs or d_seqs
+    mnbt = engine.max_num_batched_tokens or min(d_mnbt, seqs * engine.max_model_len)
+    prefix = True if engine.enable_prefix_caching is None else engine.enable_prefix_caching
+    spec = engine.speculative
+    num_spec = spec.num_speculative_tokens if spec else 0
+    draft = spec.draft if spec else None
+    if spec and draft is None:
+        notes.append("speculative draft config not given: its weights and KV layers are not counted")
+    if optimisations is None:
+        optimisations = decide_optimisations(model, layout, engine, cc, True, max_num_batched_tokens=mnbt, max_num_seqs=seqs)
+    sp = optimisations.sequence_parallel
+    ep_size = layout.tp * layout.dp
+    stages = stage_layer_ranges(model.num_layers, layout)
+
+    # KV specs for the whole model (target layers, then the draft's on the last stage).
+    grouping, block_size, layer_names, spec_notes = _kv_grouping(model, layout, engine, cc, num_spec, prefix, optimisations, draft, spec)
+    notes += spec_notes
+    local: list[frozenset[str]] = []
+    for s, (start, end) in enumerate(stages):
+        names = set(layer_names[start:end])
+        if s == layout.pp - 1 and draft is not None:
+            names |= set(layer_names[model.num_layers:])
+        local.append(frozenset(names))
+
+    # Per stage (exact) weights and (estimated) non-KV.
+    stage_info = []
+    estimates: list[Estimate] = []
+    for s, (start, end) in enumerate(stages):
+        weights, by_cat = _stage_weights(model, layout, engine, s, start, end, ep_size, sp)
+        draft_bytes = _draft_bytes(model, draft, spec, layout, s) if spec else 0
+        act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft)
+        non_torch = NON_TORCH_TP_MULTI if layout.tp > 1 else NON_TORCH_TP1
+        nt_margin = GiB if layout.tp > 1 else GiB // 4
+        cg, cg_margin, cg_basis = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
+        ws = 0
+        ws_margin = 0
+        has_kda = model._cache.get(("has_kda", start, end))
+        if has_kda is None:
+            has_kda = model._cache[("has_kda", start, end)] = any(isinstance(model.layers[i].kv, KdaState) for i in range(start, end))
+        for item in optimisations.items:
+            if not item.on or not item.workspace_bytes:
+                continue
+            if item.name == "flashkda" and not has_kda:
+                continue
+            ws += item.workspace_bytes
+            ws_margin += item.margin_bytes
+            if item.estimate:
+                estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
+        estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
+        estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
+                                  "post-snapshot non-torch memory measured by llm-d v0.19 (0.25 GiB TP1, 2.1 GiB TP>=2)"))
+        estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
+        stage_info.append((weights, by_cat, draft_bytes, act, cg, non_torch, ws))
+
+    # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
+    rank_stage = [layout.stage_of_rank(r) for r in range(world)]
+    avail = []
+    budgets = []
+    for r in range(world):
+        d = devs[r]
+        weights, _, draft_bytes, act, cg, nt, ws = stage_info[rank_stage[r]]
+        budget = math.ceil(d.total_bytes * engine.gpu_memory_utilization)
+        budgets.append(budget)
+        avail.append(budget - (weights + draft_bytes + act + cg + nt + ws))
+    pool = plan_pool(grouping, [local[rank_stage[r]] for r in range(world)], avail,
+                     max_model_len=engine.max_model_len, dcp=layout.dcp)
+    state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
+    state_blocks = sum(g.blocks_per_request(engine.max_model_len) for g in state_groups)
+    page = grouping.groups[0].page_of(0) if grouping.groups else 0
+    ranks = []
+    for r in range(world):
+        d = devs[r]
+        s = rank_stage[r]
+        weights, by_cat, draft_bytes, act, cg, nt, ws = stage_info[s]
+        start_short = max(0, budgets[r] - d.free)
+        shortfall = start_short + pool.shortfall_bytes[r]
+        outside = PRE_SNAPSHOT_CONTEXT + (PRE_SNAPSHOT_NCCL if world > 1 else 0)
+        if cc[0] == 10 and "mxfp4" in model.quantization:
+            outside += FLASHINFER_MXFP4_WORKSPACE
+        bpb = pool.bytes_per_block[r]
+        ranks.append(RankMemory(
+            rank=r, pp_stage=s, tp_rank=layout.tp_rank_of(r), dp_rank=layout.dp_rank_of(r),
+            total_bytes=d.total_bytes, free_bytes=d.free, weights_bytes=weights, weights_by_category=by_cat,
+            draft_bytes=draft_bytes, activation_bytes=act, cuda_graph_bytes=cg, non_torch_bytes=nt, workspace_bytes=ws,
+            budget_bytes=budgets[r], kv_cache_bytes=avail[r], kv_bytes_per_token=bpb / block_size if block_size else 0.0,
+            block_size=block_size, page_bytes=page, bytes_per_block=bpb, state_bytes_per_seq=state_blocks * bpb,
+            num_blocks=pool.num_blocks_per_worker[r], shortfall_bytes=shortfall,
+            headroom_bytes=d.total_bytes - budgets[r] - outside, local_layers=len(local[s]),
+        ))
+    worst = max(ranks, key=lambda x: x.shortfall_bytes)
+    fits = worst.shortfall_bytes == 0 and pool.num_blocks >= pool.blocks_per_request
+    # The rank that decides: the one furthest short, else the one whose pool sets the engine's block count.
+    binding = worst.rank if worst.shortfall_bytes else min(range(world), key=lambda r: (pool.num_blocks_per_worker[r], r))
+    if any(x.headroom_bytes < 0 for x in ranks):
+        low = min(ranks, key=lambda x: x.headroom_bytes)
+        notes.append(
+            f"rank {low.rank}: only {(low.total_bytes - low.budget_bytes) / GiB:.2f} GiB outside the budget for the CUDA context, "
+            f"NCCL{' and the FlashInfer MXFP4 workspace' if cc[0] == 10 and 'mxfp4' in model.quantization else ''} "
+            f"(~{(low.total_bytes - low.budget_bytes - low.headroom_bytes) / GiB:.1f} GiB): lower gpu_memory_utilization"
+        )
+    if layout.dcp > 1:
+        notes.append(f"DCP {layout.dcp}: MLA tokens are split across ranks (blocks per request use max_model_len / DCP); "
+                     "not covered by the conformance tests")
+    if layout.dp > 1:
+        notes.append(f"DP {layout.dp}: each DP rank is its own engine core with this pool; total concurrency x{layout.dp}")
+    return MemoryReport(
+        layout=layout, engine=engine, ranks=tuple(ranks), num_blocks=pool.num_blocks, block_size=block_size,
+        kv_cache_tokens=pool.kv_cache_tokens, max_concurrency=pool.max_concurrency, blocks_per_request=pool.blocks_per_request,
+        fits=fits, shortfall_bytes=worst.shortfall_bytes, binding_rank=binding, estimates=tuple(estimates),
+        optimisations=optimisations, notes=tuple(notes), max_num_seqs=seqs, max_num_batched_tokens=mnbt,
+        enable_prefix_caching=prefix, stage_layers=tuple(stages), kv_grouping=grouping.kind,
+        num_kv_groups=len(grouping.groups), padding_layers=grouping.padding_layers,
+    )
+
+
+def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings) -> None:
+    for name, n in model.tp_divisors:
+        if n % layout.tp:
+            raise ConfigError("layout.tp", layout.tp, f"must divide {model.name} {name} = {n} (vLLM asserts it)")
+    kv = model.num_kv_heads
+    if not model.uses_mla and kv and (kv % layout.tp if layout.tp <= kv else layout.tp % kv):
+        raise ConfigError("layout.tp", layout.tp, f"must divide num_key_value_heads = {kv} or be a multiple of it")
+    if engine.kv_cache_dtype == "fp8_ds_mla" and not model.uses_mla:
+        raise ConfigError("engine.kv_cache_dtype", "fp8_ds_mla", "fp8_ds_mla is an MLA cache format; this model has no MLA layers")
+    if model.is_hybrid and engine.mamba_ssm_cache_dtype == "float16":
+        raise ConfigError("engine.mamba_ssm_cache_dtype", "float16", "KDA recurrent state supports auto, float32 and bfloat16")
+    spec = engine.speculative
+    if spec is not None:
+        if spec.draft_tp not in (None, 1, layout.tp):
+            raise ConfigError("speculative.draft_tp", spec.draft_tp, f"vLLM allows 1 or the target's TP ({layout.tp})")
+        d = spec.draft
+        if d is not None:
+            if d.draft is None:
+                raise ConfigError("speculative.draft", d.architecture, "expected a draft architecture (LlamaForCausalLMEagle3 or K3DSparkModel)")
+            if d.draft.method != spec.method:
+                raise ConfigError("speculative.method", spec.method, f"the draft {d.name} is a {d.draft.method} draft")
+            if spec.method == "dspark" and model.family != "kimi_k3":
+                raise ConfigError("speculative.method", "dspark", "the MLA DSpark draft (K3DSparkModel) serves Kimi-K3 targets only")
+            if d.vocab_size != model.vocab_size and d.draft.shares_target_lm_head:
+                raise ConfigError("speculative.draft", d.vocab_size, f"must share the target vocab size {model.vocab_size}")
+            for name, n in d.tp_divisors:
+                if n % (spec.draft_tp or layout.tp):
+                    raise ConfigError("speculative.draft_tp", spec.draft_tp or layout.tp, f"must divide the draft's {name} = {n}")
+
+
+def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
+                   ep_size: int, sp: bool) -> tuple[int, Mapping[str, int]]:
+    key = ("stage", layout.tp, ep_size, layout.ep, sp, start, end, stage == 0, stage == layout.pp - 1,
+           engine.language_model_only)
+    cached = model._cache.get(key)
+    if cached is not None:
+        return cached
+    by_cat: dict[str, int] = {}
+    per_layer = model.layer_bytes(layout.tp, ep_size, layout.ep, sp)
+    parts = list(per_layer[start:end])
+    if stage == 0:
+        parts.append(model.group_bytes("embedding", layout.tp, ep_size, layout.ep, sp))
+        if not engine.language_model_only and model.vision:
+            parts.append(model.group_bytes("vision", layout.tp, ep_size, layout.ep, sp))
+    if stage == layout.pp - 1:
+        head = dict(model.group_bytes("head", layout.tp, ep_size, layout.ep, sp))
+        if model.tie_word_embeddings and layout.pp == 1:
+            head.pop("lm_head", None)  # one tensor serves both on a single stage
+        parts.append(head)
+    for p in parts:
+        for k, v in p.items():
+            by_cat[k] = by_cat.get(k, 0) + v
+    result = (sum(by_cat.values()), MappingProxyType(by_cat))  # read-only: shared by every rank of the stage
+    model._cache[key] = result
+    return result
+
+
+def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layout: Layout, stage: int) -> int:
+    """The draft's weights on the last stage, plus the target embedding vLLM builds there under PP for
+    EAGLE-family drafts (models/utils.py ``spec_decode_needs_target_embed``)."""
+    if stage != layout.pp - 1:
+        return 0
+    total = 0
+    if layout.pp > 1 and spec.method in ("eagle", "eagle3", "dflash", "dspark"):
+        total += sum(model.group_bytes("embedding", layout.tp, layout.tp * layout.dp, layout.ep).values())
+    if draft is not None:
+        dtp = spec.draft_tp or layout.tp
+        key = ("draft_total", dtp)
+        own = draft._cache.get(key)
+        if own is None:
+            own = sum(sum(d.values()) for d in draft.layer_bytes(dtp, dtp, False))
+            own += sum(draft.group_bytes("draft_extra", dtp, dtp, False).values())
+            draft._cache[key] = own
+        total += own
+    return total
+
+
+def _kv_dtype_bytes(model: ModelInventory, engine: EngineSettings) -> int:
+    b = KV_DTYPE_BYTES[engine.kv_cache_dtype]
+    return b or DTYPE_BITS[model.dtype] // 8
+
+
+def _kv_grouping(model, layout, engine, cc, num_spec, prefix, opts, draft, spec) -> tuple[KvGrouping, int, list[str], list[str]]:
+    key = ("kv", layout.tp, layout.dcp, engine.kv_cache_dtype, engine.mamba_ssm_cache_dtype, cc, num_spec, prefix,
+           opts.flashkda, draft, spec.draft_tp if spec else None)  # the draft itself: identity-hashed
+    cached = model._cache.get(key)
+    if cached is not None:
+        return cached
+    notes: list[str] = []
+    kv_bytes = _kv_dtype_bytes(model, engine)
+    ds_mla = engine.kv_cache_dtype == "fp8_ds_mla"
+    block = default_block_size(model, cc)
+    state_spec = None
+    kda = next((layer.kv for layer in model.layers if isinstance(layer.kv, KdaState)), None)
+    if kda is not None:
+        conv_bytes = DTYPE_BITS[model.dtype] // 8  # mamba_cache_dtype auto -> model dtype (not the KV dtype)
+        rec_bytes = 2 if engine.mamba_ssm_cache_dtype == "bfloat16" else 4
+        state_spec = StatePageSpec(
+            shapes=((kda.conv_dim // layout.tp, kda.conv_kernel_size - 1 + num_spec),
+                    (kda.num_heads // layout.tp, kda.head_dim, kda.head_dim)),
+            dtype_bytes=(conv_bytes, rec_bytes),
+            num_speculative_blocks=num_spec,
+            num_prefill_checkpoint_blocks=1 if opts.flashkda else 0,
+            align_mode=prefix,
+        )
+        if model.uses_mla:
+            mla = next(layer.kv for layer in model.layers if isinstance(layer.kv, MlaKv))
+            per_token = mla.head_size * kv_bytes  # the alignment uses the plain MLA spec (no 656-byte layout)
+            backend_min = 32 if cc[0] == 10 else 16
+            block = hybrid_block_size(per_token, state_spec.state_bytes,
+                                      kernel_alignment=max(backend_min, block, MLA_HYBRID_MIN_BLOCK), backend_alignment=backend_min)
+            state_spec = _padded_state(state_spec, block * per_token)
+    names: list[str] = []
+    layers: list[tuple[str, LayerSpec]] = []
+
+    def attn(kv, tp: int, marker: bool) -> AttentionPageSpec:
+        if isinstance(kv, MlaKv):
+            return AttentionPageSpec(block, 1, kv.head_size, 0, kv_bytes, mla=True,
+                                     state_content_bytes=FP8_DS_MLA_BYTES_PER_TOKEN if ds_mla else None, draft_marker=marker)
+        heads = kv.num_kv_heads // tp if tp <= kv.num_kv_heads else 1
+        return AttentionPageSpec(block, max(1, heads), kv.head_size, kv.head_size_v, kv_bytes)
+
+    for layer in model.layers:
+        name = f"model.layers.{layer.index}"
+        names.append(name)
+        layers.append((name, state_spec if isinstance(layer.kv, KdaState) else attn(layer.kv, layout.tp, False)))
+    if draft is not None:
+        dtp = spec.draft_tp or layout.tp
+        for layer in draft.layers:
+            name = f"draft.layers.{layer.index}"
+            names.append(name)
+            layers.append((name, attn(layer.kv, dtp, draft.family == "dspark")))
+    grouping = group_layers(layers)
+    if grouping.padding_layers:
+        notes.append(f"vLLM adds {grouping.padding_layers} padding layers to the KV-cache groups")
+    result = (grouping, grouping.block_size or block, names, notes)
+    model._cache[key] = result
+    return result
+
+
+def _padded_state(spec: StatePageSpec, attn_page: int) -> StatePageSpec:
+    return spec if attn_page == spec.state_bytes else replace(spec, page_size_padded=attn_page)
+
+
+def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, end: int, mnbt: int, seqs: int,
+                draft: ModelInventory | None) -> tuple[int, int, str]:
+    """Peak transient memory of vLLM's profile run: one forward at ``max_num_batched_tokens`` tokens, then
+    the sampler at ``max_num_seqs`` requests on the last stage (the larger of the two)."""
+    fwd = _forward_activation(model, layout, mnbt, start, end)
+    basis = f"forward at max_num_batched_tokens={mnbt}"
+    peak = fwd
+    if stage == layout.pp - 1:
+        sampler = seqs * model.vocab_size * 4 * 2  # fp32 logits + probabilities for max_num_seqs rows
+        if draft is not None:
+            fwd += mnbt * draft.hidden_size * 2 * 6
+        if sampler > peak:
+            basis = f"sampler at max_num_seqs={seqs} x vocab {model.vocab_size} (fp32 logits + probs)"
+        peak = max(fwd, sampler)
+    return peak, max(peak // 2, 256 * MiB), basis + "; +-50%"
+
+
+def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, start: int, end: int) -> int:
+    w = model.widths
+    tp = layout.tp
+    streams = 6
+    if model.family == "kimi_k3":
+        streams += min(9, cdiv(end, 12) - start // 12 + 1)  # AttnRes block snapshots kept through the stage
+    hidden = tokens * w.hidden_size * 2 * streams
+    widest = max(2 * w.intermediate_size // tp, 4 * w.num_attention_heads * w.head_dim // tp, 1)
+    dense = tokens * widest * 2 * 2
+    moe = 0
+    if w.num_experts:
+        inter = w.moe_intermediate_size if layout.ep else max(w.moe_intermediate_size // tp, model.expert_min_intermediate_per_rank)
+        rows = tokens * w.experts_per_token
+        moe = rows * (max(2 * inter, w.moe_hidden_size) + max(inter, w.moe_hidden_size)) * 2
+    return hidden + max(dense, moe)
+
+
+def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
+                mnbt: int, seqs: int, cc: tuple[int, int]) -> tuple[int, int, str]:
+    if engine.enforce_eager:
+        return 0, 0, "enforce_eager: no CUDA graphs"
+    # config/vllm.py: min(max_num_seqs * decode_query_len * 2, 1024 on SM100 else 512), within the token budget.
+    query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
+    largest = min(1024 if cc[0] == 10 else 512, max(seqs, 1) * query_len * 2, mnbt)
+    num_sizes = _num_capture_sizes(largest)
+    modes = 2 if model.is_hybrid or model.uses_mla else 1  # FULL_AND_PIECEWISE
+    shared = _forward_activation(model, layout, largest, start, end)
+    per_graph = 2 * MiB
+    est = shared + num_sizes * modes * per_graph
+    return est, max(est // 2, GiB // 2), (
+        f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {num_sizes} sizes x {modes} modes x 2 MiB; "
+        "+-max(50%, 0.5 GiB)"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _num_capture_sizes(largest: int) -> int:
+    """How many CUDA-graph batch sizes vLLM captures up to ``largest``: 1, 2, 4, then steps of 8 to 256, then 16."""
+    return sum(1 for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16)) if s <= largest)
+
+
+def kv_grouping(model: ModelInventory, layout: Layout, engine: EngineSettings, compute_capability: tuple[int, int] = (9, 0)) -> KvGrouping:
+    """The KV-cache groups (whole model, per-rank page sizes) vLLM 0.32 would build for this layout."""
+    spec = engine.speculative
+    opts = decide_optimisations(model, layout, engine, compute_capability, True)
+    prefix = True if engine.enable_prefix_caching is None else engine.enable_prefix_caching
+    return _kv_grouping(model, layout, engine, compute_capability, spec.num_speculative_tokens if spec else 0, prefix, opts,
+                        spec.draft if spec else None, spec)[0]
