@@ -1,0 +1,254 @@
+"""``kimi-k3-serve memory``: per-GPU memory of one layout under vLLM 0.32's accounting, before launch.
+
+Prints a per-stage table (GiB), the verdict with each short rank's shortfall, max concurrency, which
+numbers are estimates (marked ``*``, with margins) and the time taken; ``--json`` prints the report as
+JSON instead. Exit code 0: fits; 1: does not fit; 2: bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.hardware import gpu_names, lookup_gpu
+from kimi_k3_serve.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, EngineSettings, Layout, RankDevice, SpeculativeSettings
+from kimi_k3_serve.units import GiB, fmt_gib
+
+EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _partition(text: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts such as 47,46, got {text!r}") from None
+    if not parts or any(p < 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive layer counts, got {text!r}")
+    return parts
+
+
+def _capability(text: str) -> tuple[int, int]:
+    try:
+        major, minor = text.split(".")
+        return int(major), int(minor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR such as 9.0, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="kimi-k3",
+                        help="kimi-k3 (shipped config), a config.json path or a checkpoint folder (default: kimi-k3)")
+    gpu = parser.add_mutually_exclusive_group(required=True)
+    gpu.add_argument("--gpu", help=f"GPU type, one of: {', '.join(gpu_names())}")
+    gpu.add_argument("--gpu-bytes", type=_positive_int, help="usable bytes per GPU (torch total_memory)")
+    parser.add_argument("--compute-capability", type=_capability, default=None,
+                        help="with --gpu-bytes: the GPU's compute capability (default 9.0)")
+    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size")
+    parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size")
+    parser.add_argument("--ep", action=argparse.BooleanOptionalAction, default=False, help="enable expert parallelism")
+    parser.add_argument("--dp", type=_positive_int, default=1, help="data parallel size")
+    parser.add_argument("--dcp", type=_positive_int, default=1, help="decode context parallel size")
+    parser.add_argument("--layer-partition", type=_partition, default=None, help="layers per PP stage, e.g. 47,46")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="default: the model's max_position_embeddings")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=None, help="default: vLLM 0.32's for the GPU")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="default: vLLM 0.32's for the GPU")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    parser.add_argument("--mamba-ssm-cache-dtype", choices=MAMBA_SSM_CACHE_DTYPES, default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=0.92)
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON, e.g. \'{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}\'')
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: on (vLLM 0.32's default for decoder and hybrid models)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--language-model-only", action=argparse.BooleanOptionalAction, default=True,
+                        help="skip the vision tower (default: on)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _speculative(text: str | None, tp: int) -> SpeculativeSettings | None:
+    if text is None:
+        return None
+    from kimi_k3_serve.models import load_model
+
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("--speculative-config", text, f"expected a JSON object ({exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--speculative-config", text, "expected a JSON object")
+    known = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"}
+    method = raw.get("method")
+    if method not in ("eagle3", "dspark"):
+        raise ConfigError("--speculative-config.method", method, "expected eagle3 or dspark")
+    model = raw.get("model") or ("kimi-k3-dspark" if method == "dspark" else None)
+    if model is None:
+        raise ConfigError("--speculative-config.model", None, "expected the draft's config.json path or checkpoint folder")
+    draft = load_model(model)
+    n = raw.get("num_speculative_tokens")
+    if n is None and draft.draft is not None:
+        n = draft.draft.num_speculative_tokens_default
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError("--speculative-config.num_speculative_tokens", n, "expected an integer >= 1")
+    extra = sorted(set(raw) - known - {"attention_backend", "draft_sample_method", "rejection_sample_method"})
+    if extra:
+        raise ConfigError(f"--speculative-config.{extra[0]}", raw[extra[0]], f"known keys: {', '.join(sorted(known))}")
+    draft_tp = raw.get("draft_tensor_parallel_size")
+    return SpeculativeSettings(method, n, draft=draft, draft_tp=draft_tp)
+
+
+_FLAG_OF_FIELD = {
+    "layout.tp": "--tp", "layout.pp": "--pp", "layout.dp": "--dp", "layout.dcp": "--dcp",
+    "layout.layer_partition": "--layer-partition", "layout.layer_partition[]": "--layer-partition",
+    "engine.max_model_len": "--max-model-len", "engine.max_num_seqs": "--max-num-seqs",
+    "engine.max_num_batched_tokens": "--max-num-batched-tokens", "engine.kv_cache_dtype": "--kv-cache-dtype",
+    "engine.gpu_memory_utilization": "--gpu-memory-utilization", "engine.mamba_ssm_cache_dtype": "--mamba-ssm-cache-dtype",
+    "model": "--model",
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Name the command-line flag in any error about a value that came from one."""
+    try:
+        return _run(args)
+    except ConfigError as exc:
+        flag = _FLAG_OF_FIELD.get(exc.field)
+        if flag is None and exc.field.startswith("speculative."):
+            flag = "--speculative-config." + exc.field.split(".", 1)[1]
+        if flag is None:
+            raise
+        raise type(exc)(flag, exc.value, exc.allowed, source=exc.source) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kimi_k3_serve.memory import estimate_memory
+    from kimi_k3_serve.models import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(args.model)
+    if args.gpu is not None:
+        spec = lookup_gpu(args.gpu, field="--gpu")
+        device = RankDevice(spec.total_bytes, args.compute_capability or spec.compute_capability, name=spec.name)
+        gpu_label = spec.name
+    else:
+        device = RankDevice(args.gpu_bytes, args.compute_capability or (9, 0), name="")
+        gpu_label = f"{fmt_gib(args.gpu_bytes)} GPU"
+    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, dcp=args.dcp, layer_partition=args.layer_partition)
+    max_len = args.max_model_len or model.max_position_embeddings
+    if not max_len:
+        raise ConfigError("--max-model-len", None, "the model config has no max_position_embeddings: pass --max-model-len")
+    engine = EngineSettings(
+        max_model_len=max_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        speculative=_speculative(args.speculative_config, args.tp), language_model_only=args.language_model_only,
+        enforce_eager=args.enforce_eager,
+    )
+    t1 = time.perf_counter()
+    report = estimate_memory(model, layout, engine, device)
+    t2 = time.perf_counter()
+    if args.json:
+        out: dict[str, Any] = report.to_json()
+        out["model"] = {"name": model.name, "architecture": model.architecture, "quantization": model.quantization,
+                        "source": model.source}
+        out["gpu"] = {"name": gpu_label, "total_bytes": device.total_bytes, "compute_capability": list(device.compute_capability)}
+        out["elapsed_ms"] = {"estimate": round((t2 - t1) * 1e3, 3), "total": round((time.perf_counter() - t0) * 1e3, 3)}
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(render(report, model, gpu_label, device))
+        print(f"computed in {(t2 - t1) * 1e3:.2f} ms (estimate) / {(time.perf_counter() - t0) * 1e3:.1f} ms (with config load)")
+    return EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT
+
+
+def _g(n: int | float) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def render(report, model, gpu_label: str, device: RankDevice) -> str:
+    lay, eng = report.layout, report.engine
+    lines = [
+        f"{model.name}: {model.architecture}, {model.quantization}",
+        f"{lay.world_size} x {gpu_label} ({fmt_gib(device.total_bytes)} usable, SM{device.compute_capability[0]}{device.compute_capability[1]}), "
+        f"{lay.describe()}",
+        f"engine: max_model_len {eng.max_model_len:,}, max_num_seqs {report.max_num_seqs}, "
+        f"max_num_batched_tokens {report.max_num_batched_tokens:,}, kv_cache_dtype {eng.kv_cache_dtype}, "
+        f"prefix caching {'on' if report.enable_prefix_caching else 'off'}, gpu_memory_utilization {eng.gpu_memory_utilization}"
+        + (f", {eng.speculative.method} x{eng.speculative.num_speculative_tokens}" if eng.speculative else ""),
+        "",
+        "per GPU (GiB; * = estimate)",
+    ]
+    header = ["stage", "ranks", "layers", "weights", "draft", "activ.*", "cudagraph*", "non-torch*", "workspace*",
+              "budget", "KV pool", "blocks", "short"]
+    rows = [header]
+    for r in report.stage_ranks():
+        start, end = report.stage_layers[r.pp_stage]
+        kda = sum(1 for i in range(start, end) if model.layers[i].attention == "kda")
+        ranks = [x.rank for x in report.ranks if x.pp_stage == r.pp_stage]
+        span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+        layers = f"{start}-{end - 1}" + (f" ({kda} KDA/{end - start - kda} MLA)" if kda else "")
+        rows.append([str(r.pp_stage), span, layers, _g(r.weights_bytes), _g(r.draft_bytes), _g(r.activation_bytes),
+                     _g(r.cuda_graph_bytes), _g(r.non_torch_bytes), _g(r.workspace_bytes), _g(r.budget_bytes),
+                     _g(r.kv_cache_bytes), f"{r.num_blocks:,}", _g(r.shortfall_bytes) if r.shortfall_bytes else "-"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        lines.append("  ".join(cell.rjust(w) if i > 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    lines.append("")
+    first = report.stage_ranks()
+    lines.append(
+        f"KV cache: block {report.block_size} tokens, {first[0].page_bytes:,} B page, bytes/block "
+        + ", ".join(f"stage {r.pp_stage} {r.bytes_per_block:,} B" for r in first)
+        + f"; {report.num_kv_groups} group(s) ({report.kv_grouping}); one request of {eng.max_model_len:,} tokens needs "
+        f"{report.blocks_per_request:,} blocks"
+    )
+    if report.fits:
+        lines.append(
+            f"FITS: {report.num_blocks:,} blocks (min over ranks; binding rank {report.binding_rank}), "
+            f"{report.kv_cache_tokens:,} tokens, max concurrency {report.max_concurrency:.2f}x at {eng.max_model_len:,} tokens"
+        )
+    else:
+        lines.append(f"DOES NOT FIT: largest shortfall {fmt_gib(report.shortfall_bytes)} (rank {report.binding_rank})")
+        for r in report.ranks:
+            if r.shortfall_bytes:
+                why = []
+                if r.free_bytes < r.budget_bytes:
+                    why.append(f"free {fmt_gib(r.free_bytes)} < budget {fmt_gib(r.budget_bytes)}")
+                if r.kv_cache_bytes <= 0:
+                    why.append(f"non-KV memory exceeds the budget by {fmt_gib(-r.kv_cache_bytes)}")
+                else:
+                    why.append(f"KV pool {fmt_gib(r.kv_cache_bytes)} cannot hold one {eng.max_model_len:,}-token request")
+                lines.append(f"  rank {r.rank} (stage {r.pp_stage}, tp {r.tp_rank}): short {fmt_gib(r.shortfall_bytes)}: {'; '.join(why)}")
+    lines.append("")
+    lines.append("estimates (stage: value +- margin):")
+    for e in report.estimates:
+        lines.append(f"  {e.name} (stage {e.stage}): {fmt_gib(e.bytes)} +- {fmt_gib(e.margin_bytes)}  [{e.basis}]")
+    lines.append("optimisations:")
+    for item in report.optimisations.items:
+        env = " ".join(f"{k}={v}" for k, v in item.env)
+        lines.append(f"  {item.name}: {'on' if item.on else 'off'} ({item.reason})" + (f"  env: {env}" if env else ""))
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
