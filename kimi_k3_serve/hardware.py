@@ -31,6 +31,8 @@ class GpuSpec:
     aliases: tuple[str, ...] = ()
     measured: bool = False
     """True when ``total_bytes`` was read on the part itself (NVML/torch), not derived from a log line."""
+    gpus_per_node: int = 8
+    """GPUs one machine (one Ray node) usually carries: 8 on HGX boards, 4 on a GB200/GB300 compute tray."""
 
     @property
     def architecture(self) -> str:
@@ -56,7 +58,8 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         compute_capability=(9, 0),
         gpus_per_nvlink_domain=8,
         ray_accelerator_type="H200",
-        source="torch total_memory measured on an H200 SXM (kimi-k3-facts.md S37); NVML fixture in tests/fixtures",
+        source="measured on an H200 SXM, 2026-11-29: torch total_memory = NVML v2 total - reserved = 150,109,880,320 B "
+        "(tests/fixtures/nvml/h200-2026-11-29.json)",
         aliases=("H200-SXM", "H200-141GB", "NVIDIA H200"),
         measured=True,
     ),
@@ -66,7 +69,8 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         compute_capability=(9, 0),
         gpus_per_nvlink_domain=8,
         ray_accelerator_type="H100",
-        source="vLLM startup logs 'Free memory on device (.../79.19 GiB)' (vllm-memory.md 1.8, llm-d H100 sweep)",
+        source="PyTorch OOM messages 'GPU 0 has a total capacity of 79.19 GiB' from H100 80GB runs (public logs); "
+        "vLLM startup logs '.../79.19 GiB'",
         aliases=("H100-80GB", "H100-SXM", "NVIDIA H100 80GB HBM3"),
     ),
     GpuSpec(
@@ -75,16 +79,17 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         compute_capability=(10, 0),
         gpus_per_nvlink_domain=8,
         ray_accelerator_type="B200",
-        source="vLLM startup logs '.../178.35 GiB' on 180 GB Blackwell (vllm-memory.md 1.8)",
+        source="PyTorch OOM messages 'GPU 0 has a total capacity of 178.35 GiB' from B200 SXM runs (public logs)",
         aliases=("NVIDIA B200",),
     ),
     GpuSpec(
         name="B300",
-        total_bytes=268 * 10**9,
+        total_bytes=_gib(267.69),
         compute_capability=(10, 3),
         gpus_per_nvlink_domain=8,
-        ray_accelerator_type=None,
-        source="vLLM Kimi-K3 recipe hardware table: 268 GB per B300/GB300 GPU (kimi-k3-facts.md 0, S15); nominal",
+        ray_accelerator_type="B300",
+        source="PyTorch OOM message 'GPU 0 has a total capacity of 267.69 GiB' on a 2x8 B300 run (public log); the "
+        "Kimi-K3 recipe's '268 GB' is this figure in GiB",
         aliases=("NVIDIA B300",),
     ),
     GpuSpec(
@@ -93,17 +98,21 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         compute_capability=(10, 0),
         gpus_per_nvlink_domain=72,
         ray_accelerator_type="GB200",
-        source="186 GB HBM3e per GB200 GPU less the driver reserve seen on B200 (~0.7 GiB); estimate",
+        source="PyTorch OOM messages 'GPU 0 has a total capacity of 184.31 GiB' from GB200 NVL72 runs (public logs); "
+        "4 GPUs per compute tray, 72 per NVLink domain (NVIDIA GB200 NVL72 spec)",
         aliases=("GB200-NVL72", "NVIDIA GB200"),
+        gpus_per_node=4,
     ),
     GpuSpec(
         name="GB300",
-        total_bytes=268 * 10**9,
+        total_bytes=_gib(267.69),
         compute_capability=(10, 3),
         gpus_per_nvlink_domain=72,
-        ray_accelerator_type=None,
-        source="vLLM Kimi-K3 recipe hardware table: 268 GB per B300/GB300 GPU (kimi-k3-facts.md 0, S15); nominal",
+        ray_accelerator_type="GB300",
+        source="same Blackwell Ultra GPU and 288 GB HBM3e as B300, so B300's torch total 267.69 GiB (estimate, not "
+        "read on a GB300); 4 GPUs per compute tray, 72 per NVLink domain (NVIDIA GB300 NVL72 spec)",
         aliases=("GB300-NVL72", "NVIDIA GB300"),
+        gpus_per_node=4,
     ),
     GpuSpec(
         name="A100-80GB",
@@ -111,7 +120,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         compute_capability=(8, 0),
         gpus_per_nvlink_domain=8,
         ray_accelerator_type="A100-80G",
-        source="PyTorch OOM messages 'GPU 0; 79.15 GiB total capacity' on A100-SXM4-80GB",
+        source="PyTorch OOM messages 'GPU 0 has a total capacity of 79.15 GiB' on A100-SXM4-80GB (public logs)",
         aliases=("A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB"),
     ),
     GpuSpec(
@@ -129,7 +138,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         compute_capability=(8, 9),
         gpus_per_nvlink_domain=1,
         ray_accelerator_type="L40S",
-        source="PyTorch OOM messages 'GPU 0; 44.39 GiB total capacity' on L40S (PCIe, no NVLink)",
+        source="PyTorch OOM messages '44.39 GiB total capacity' on L40S (PCIe, no NVLink; public logs)",
         aliases=("NVIDIA L40S",),
     ),
     GpuSpec(
@@ -138,8 +147,9 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         compute_capability=(8, 9),
         gpus_per_nvlink_domain=1,
         ray_accelerator_type=None,
-        source="PyTorch OOM messages 'GPU 0; 23.65 GiB total capacity' on GeForce RTX 4090 (no NVLink)",
+        source="PyTorch OOM messages 'GPU 0 has a total capacity of 23.65 GiB' on GeForce RTX 4090 (no NVLink)",
         aliases=("4090", "RTX4090", "NVIDIA GeForce RTX 4090"),
+        gpus_per_node=4,
     ),
     GpuSpec(
         name="RTX-3090",
@@ -149,6 +159,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         ray_accelerator_type=None,
         source="PyTorch OOM messages 'GPU 0; 23.69 GiB total capacity' on GeForce RTX 3090 (NVLink bridge pairs ignored)",
         aliases=("3090", "RTX3090", "NVIDIA GeForce RTX 3090"),
+        gpus_per_node=4,
     ),
 )
 
@@ -175,3 +186,42 @@ def lookup_gpu(name: str, *, field: str = "gpu") -> GpuSpec:
 def find_gpu_by_device_name(device_name: str) -> GpuSpec | None:
     """Best match for an NVML/torch device name such as 'NVIDIA H200' (None if unknown)."""
     return _BY_KEY.get(_key(device_name))
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    """A cloud machine type that carries GPUs: what a cluster file's instance type means."""
+
+    name: str
+    gpu: str
+    gpus: int
+    source: str
+
+
+INSTANCE_TYPES: tuple[InstanceType, ...] = (
+    InstanceType("p5en.48xlarge", "H200", 8, "AWS EC2 P5en instances: 8x H200 141 GB (aws.amazon.com/ec2/instance-types/p5)"),
+    InstanceType("p5e.48xlarge", "H200", 8, "AWS EC2 P5e instances: 8x H200 141 GB (aws.amazon.com/ec2/instance-types/p5)"),
+    InstanceType("p5.48xlarge", "H100", 8, "AWS EC2 P5 instances: 8x H100 80 GB (aws.amazon.com/ec2/instance-types/p5)"),
+    InstanceType("p6-b200.48xlarge", "B200", 8, "AWS EC2 P6-B200 instances: 8x B200 (aws.amazon.com/ec2/instance-types/p6)"),
+    InstanceType("p6-b300.48xlarge", "B300", 8, "AWS EC2 P6-B300 instances: 8x B300 (aws.amazon.com/ec2/instance-types/p6)"),
+    InstanceType("p4de.24xlarge", "A100-80GB", 8, "AWS EC2 P4de: 8x A100 80 GB (aws.amazon.com/ec2/instance-types/p4)"),
+    InstanceType("p4d.24xlarge", "A100-40GB", 8, "AWS EC2 P4d: 8x A100 40 GB (aws.amazon.com/ec2/instance-types/p4)"),
+    InstanceType("g6e.48xlarge", "L40S", 8, "AWS EC2 G6e: 8x L40S (aws.amazon.com/ec2/instance-types/g6e)"),
+    InstanceType("a3-ultragpu-8g", "H200", 8, "GCP A3 Ultra: 8x H200 (cloud.google.com/compute/docs/gpus#h200-gpus)"),
+    InstanceType("a3-megagpu-8g", "H100", 8, "GCP A3 Mega: 8x H100 80 GB (cloud.google.com/compute/docs/gpus)"),
+    InstanceType("a3-highgpu-8g", "H100", 8, "GCP A3 High: 8x H100 80 GB (cloud.google.com/compute/docs/gpus)"),
+    InstanceType("a4-highgpu-8g", "B200", 8, "GCP A4: 8x B200 (cloud.google.com/compute/docs/gpus#b200-gpus)"),
+    InstanceType("a4x-highgpu-4g", "GB200", 4, "GCP A4X: 4x GB200 per VM, NVL72 racks (cloud.google.com/compute/docs/gpus)"),
+    InstanceType("a2-ultragpu-8g", "A100-80GB", 8, "GCP A2 Ultra: 8x A100 80 GB (cloud.google.com/compute/docs/gpus)"),
+    InstanceType("a2-highgpu-8g", "A100-40GB", 8, "GCP A2 High: 8x A100 40 GB (cloud.google.com/compute/docs/gpus)"),
+    InstanceType("Standard_ND96isr_H200_v5", "H200", 8, "Azure ND H200 v5: 8x H200 (learn.microsoft.com ND-H200-v5 series)"),
+    InstanceType("Standard_ND96isr_H100_v5", "H100", 8, "Azure ND H100 v5: 8x H100 (learn.microsoft.com ND-H100-v5 series)"),
+    InstanceType("Standard_ND128isr_GB200_v6", "GB200", 4, "Azure ND GB200 v6: 4x GB200 per VM (learn.microsoft.com)"),
+)
+
+_INSTANCES = {_key(instance.name): instance for instance in INSTANCE_TYPES}
+
+
+def lookup_instance(name: str) -> InstanceType | None:
+    """The GPUs of a cloud instance / machine type, or None if the catalogue does not know it."""
+    return _INSTANCES.get(_key(str(name)))
