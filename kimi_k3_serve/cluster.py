@@ -1,0 +1,570 @@
+"""The cluster inventory: nodes, their Ray resources and labels, and their GPUs as CUDA will see them.
+
+One type for three sources: live (``live.py``: Ray + NVML on every node), declared (this module: Ray
+cluster launcher YAML, KubeRay RayCluster/RayService, the project's own short format, ``declared_cluster``)
+and local (``nvml.py``). GPU facts of declared nodes come from the catalogue in ``hardware.py``. Pure data
+and parsing: no Ray, torch or NVML import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.hardware import INSTANCE_TYPES, GpuSpec, find_gpu_by_device_name, gpu_names, lookup_gpu, lookup_instance
+from kimi_k3_serve.layout import RankDevice
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU. ``total_bytes``/``free_bytes`` are what CUDA reports; None when unknown (a fake Ray ``GPU``)."""
+
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int | None
+    free_bytes: int | None
+    compute_capability: tuple[int, int] | None
+    nvlink_domain: str
+    """GPUs with the same value talk over NVLink: the fabric clique on NVL72 racks, else the node (or the GPU
+    itself on PCIe cards)."""
+    memory_exact: bool = True
+    """False when the total is an estimate (NVML v1 total, or a catalogue figure of two-decimal precision)."""
+
+    @property
+    def memory_known(self) -> bool:
+        return self.total_bytes is not None
+
+    @property
+    def free(self) -> int | None:
+        return self.total_bytes if self.free_bytes is None else self.free_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "name": self.name,
+            "total_bytes": self.total_bytes,
+            "free_bytes": self.free_bytes,
+            "compute_capability": list(self.compute_capability) if self.compute_capability else None,
+            "nvlink_domain": self.nvlink_domain,
+            "memory_exact": self.memory_exact,
+        }
+
+    def spec(self) -> GpuSpec | None:
+        return find_gpu_by_device_name(self.name) if self.name else None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One Ray node (one machine, or one Kubernetes pod)."""
+
+    node_id: str
+    address: str
+    resources: dict[str, float]
+    labels: dict[str, str]
+    gpus: tuple[GpuInfo, ...]
+    node_type: str | None = None
+    """The cluster file's node type / worker group this node belongs to, when known."""
+    is_head: bool = False
+    alive: bool = True
+    available_gpus: int | None = None
+    """GPUs Ray can still hand out on this node (live clusters); None means all of them."""
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def free_gpu_count(self) -> int:
+        return self.gpu_count if self.available_gpus is None else min(self.available_gpus, self.gpu_count)
+
+    @property
+    def accelerator_type(self) -> str | None:
+        for key in self.resources:
+            if key.startswith("accelerator_type:"):
+                return key.split(":", 1)[1]
+        return self.labels.get("ray.io/accelerator-type")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "address": self.address,
+            "node_type": self.node_type,
+            "is_head": self.is_head,
+            "alive": self.alive,
+            "resources": dict(self.resources),
+            "labels": dict(self.labels),
+            "available_gpus": self.available_gpus,
+            "gpus": [gpu.to_json() for gpu in self.gpus],
+        }
+
+
+@dataclass(frozen=True)
+class NodeTypeCapacity:
+    """A node type the autoscaler may start more of (cluster launcher node type, KubeRay worker group)."""
+
+    name: str
+    gpu: str | None
+    gpus_per_node: int
+    min_count: int
+    max_count: int
+    resources: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "gpu": self.gpu,
+            "gpus_per_node": self.gpus_per_node,
+            "min_count": self.min_count,
+            "max_count": self.max_count,
+        }
+
+
+@dataclass(frozen=True)
+class ClusterInventory:
+    nodes: tuple[NodeInfo, ...]
+    source: str
+    """Where this came from: ``live:<address>``, ``declared:<file>``, ``declared:<gpu>x<n>``, ``local``."""
+    autoscaling: tuple[NodeTypeCapacity, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def gpu_nodes(self) -> tuple[NodeInfo, ...]:
+        return tuple(node for node in self.nodes if node.gpus and node.alive)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(node.gpu_count for node in self.gpu_nodes)
+
+    def node(self, node_id: str) -> NodeInfo:
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return node
+        raise KeyError(node_id)
+
+    def at_capacity(self) -> ClusterInventory:
+        """The cluster grown to every node type's ``max_count``: what the autoscaler could reach."""
+        extra: list[NodeInfo] = []
+        for capacity in self.autoscaling:
+            present = [node for node in self.nodes if node.node_type == capacity.name]
+            missing = capacity.max_count - len(present)
+            if missing <= 0:
+                continue
+            extra.extend(
+                _declared_nodes(
+                    capacity.name,
+                    capacity.gpu,
+                    capacity.gpus_per_node,
+                    missing,
+                    first_ordinal=len(present),
+                    resources=capacity.resources,
+                    labels=capacity.labels,
+                    field_name=f"autoscaling.{capacity.name}",
+                )
+            )
+        if not extra:
+            return self
+        return replace(self, nodes=self.nodes + tuple(extra), notes=self.notes + ("grown to max_count",))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "total_gpus": self.total_gpus,
+            "nodes": [node.to_json() for node in self.nodes],
+            "autoscaling": [capacity.to_json() for capacity in self.autoscaling],
+            "notes": list(self.notes),
+        }
+
+
+def rank_device(node: NodeInfo, gpu: GpuInfo) -> RankDevice:
+    """The memory model's view of one GPU. Unknown memory is an error: a fake GPU cannot be sized."""
+    if gpu.total_bytes is None or gpu.compute_capability is None:
+        raise ValueError(f"GPU {gpu.index} of node {node.node_id} has unknown memory or compute capability")
+    return RankDevice(
+        total_bytes=gpu.total_bytes,
+        compute_capability=gpu.compute_capability,
+        free_bytes=gpu.free_bytes,
+        name=gpu.name,
+        node_id=node.node_id,
+        nvlink_domain=gpu.nvlink_domain,
+        index=gpu.index,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Declared clusters
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _nvlink_domain(spec: GpuSpec, group: str, node_id: str, ordinal: int, gpus_per_node: int, gpu_index: int) -> str:
+    if spec.gpus_per_nvlink_domain <= 1:
+        return f"node:{node_id}:gpu{gpu_index}"  # PCIe cards: every GPU alone
+    if spec.gpus_per_nvlink_domain > gpus_per_node:
+        # Multi-node NVLink (NVL72): the group's nodes fill racks in order, 72 GPUs (18 four-GPU trays) a rack.
+        nodes_per_domain = max(1, spec.gpus_per_nvlink_domain // gpus_per_node)
+        return f"nvl{spec.gpus_per_nvlink_domain}:{group}:{ordinal // nodes_per_domain}"
+    return f"node:{node_id}"
+
+
+def _declared_nodes(
+    group: str,
+    gpu: str | None,
+    gpus_per_node: int,
+    count: int,
+    *,
+    first_ordinal: int = 0,
+    resources: dict[str, float] | None = None,
+    labels: dict[str, str] | None = None,
+    free_bytes: int | list[int] | None = None,
+    is_head: bool = False,
+    field_name: str = "gpu",
+) -> list[NodeInfo]:
+    spec = lookup_gpu(gpu, field=field_name) if gpu else None
+    nodes = []
+    for ordinal in range(first_ordinal, first_ordinal + count):
+        node_id = f"{group}-{ordinal}"
+        gpus = []
+        for index in range(gpus_per_node if spec else 0):
+            free = free_bytes[index] if isinstance(free_bytes, list) else free_bytes
+            gpus.append(
+                GpuInfo(
+                    index=index,
+                    uuid=f"declared-{node_id}-{index}",
+                    name=spec.name,
+                    total_bytes=spec.total_bytes,
+                    free_bytes=free,
+                    compute_capability=spec.compute_capability,
+                    nvlink_domain=_nvlink_domain(spec, group, node_id, ordinal, gpus_per_node, index),
+                    memory_exact=spec.measured,
+                )
+            )
+        node_resources = dict(resources or {})
+        node_labels = dict(labels or {})
+        if spec:
+            node_resources.setdefault("GPU", float(gpus_per_node))
+            if spec.ray_accelerator_type:
+                node_resources.setdefault(f"accelerator_type:{spec.ray_accelerator_type}", 1.0)
+                node_labels.setdefault("ray.io/accelerator-type", spec.ray_accelerator_type)
+        nodes.append(
+            NodeInfo(
+                node_id=node_id,
+                address="",
+                resources=node_resources,
+                labels=node_labels,
+                gpus=tuple(gpus),
+                node_type=group,
+                is_head=is_head,
+            )
+        )
+    return nodes
+
+
+def declared_cluster(
+    gpu: str, nodes: int, gpus_per_node: int | None = None, *, free_bytes: int | None = None
+) -> ClusterInventory:
+    """``nodes`` identical empty machines of ``gpu`` (catalogue name), e.g. ``declared_cluster("H200", 2)``."""
+    spec = lookup_gpu(gpu, field="gpu")
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise ConfigError("nodes", nodes, "expected an integer >= 1")
+    per_node = spec.gpus_per_node if gpus_per_node is None else gpus_per_node
+    if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1:
+        raise ConfigError("gpus_per_node", gpus_per_node, "expected an integer >= 1")
+    group = spec.name.lower()
+    built = _declared_nodes(group, spec.name, per_node, nodes, free_bytes=free_bytes)
+    return ClusterInventory(nodes=tuple(built), source=f"declared:{nodes}x{per_node} {spec.name}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cluster files: Ray cluster launcher YAML, KubeRay RayCluster / RayService, and the project's short format
+# ---------------------------------------------------------------------------------------------------------------
+
+_KUBE_GPU_LABELS = (
+    "ray.io/accelerator-type",
+    "cloud.google.com/gke-accelerator",
+    "nvidia.com/gpu.product",
+    "node.kubernetes.io/instance-type",
+    "beta.kubernetes.io/instance-type",
+)
+_UNBOUNDED = 2**31 - 1  # "no limit" for the launcher's global max_workers
+
+
+def load_cluster_file(path: str) -> ClusterInventory:
+    """Read a cluster file; the format is recognised from its keys. Every problem is a ConfigError naming the
+    field (``available_node_types.gpu_workers.resources.GPU``)."""
+    import yaml  # an edge: the pure core never parses files
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = yaml.safe_load(handle)
+    except OSError as exc:
+        raise ConfigError("cluster", path, f"a readable cluster file ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("cluster", path, f"valid YAML or JSON ({exc})") from None
+    return parse_cluster_document(document, source=path)
+
+
+def parse_cluster_document(document: Any, source: str = "<cluster>") -> ClusterInventory:
+    if not isinstance(document, dict):
+        raise ConfigError("(top level)", type(document).__name__, "a mapping", source=source)
+    kind = document.get("kind")
+    try:
+        if kind in ("RayCluster", "RayService"):
+            return _from_kuberay(document, source)
+        if "available_node_types" in document:
+            return _from_launcher(document, source)
+        if "nodes" in document:
+            return _from_simple(document, source)
+    except ConfigError as exc:
+        if exc.source is None:  # raised by a shared helper (the GPU catalogue): say which file
+            raise ConfigError(exc.field, exc.value, exc.allowed, source=source) from None
+        raise
+    raise ConfigError(
+        "(top level)",
+        sorted(document)[:8],
+        "a Ray cluster launcher file (available_node_types), a KubeRay RayCluster/RayService (kind), "
+        "or a cluster description (nodes: [{count, gpu, gpus}])",
+        source=source,
+    )
+
+
+def _int(value: Any, field_name: str, source: str, minimum: int = 0) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(field_name, value, f"expected an integer >= {minimum}", source=source)
+    return value
+
+
+def _mapping(value: Any, field_name: str, source: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(field_name, value, "expected a mapping", source=source)
+    return value
+
+
+def _gpu_from_name(name: str) -> GpuSpec | None:
+    """A catalogue GPU from an accelerator label or product name ('nvidia-h200-141gb', 'NVIDIA-H200', 'H200')."""
+    text = str(name)
+    for candidate in (text, text[len("nvidia-"):] if text.lower().startswith("nvidia-") else text):
+        spec = find_gpu_by_device_name(candidate)
+        if spec is not None:
+            return spec
+    instance = lookup_instance(text)
+    return find_gpu_by_device_name(instance.gpu) if instance else None
+
+
+def _accelerator_from_resources(resources: dict) -> str | None:
+    for key in resources:
+        if str(key).startswith("accelerator_type:"):
+            return str(key).split(":", 1)[1]
+    return None
+
+
+def _resolve_gpu(candidates: list[tuple[str, Any]], field_name: str, source: str) -> str:
+    """The first candidate (field, name) that names a known GPU; a ConfigError listing what was tried."""
+    for where, name in candidates:
+        if name is None:
+            continue
+        spec = _gpu_from_name(name)
+        if spec is None:
+            raise ConfigError(
+                where,
+                name,
+                f"a GPU the catalogue knows ({', '.join(gpu_names())}) or a known instance type "
+                f"({', '.join(instance.name for instance in INSTANCE_TYPES)})",
+                source=source,
+            )
+        return spec.name
+    raise ConfigError(
+        field_name,
+        None,
+        "the GPU type is not named: add resources {'accelerator_type:<GPU>': 1}, a known instance type, "
+        "or a ray.io/accelerator-type label",
+        source=source,
+    )
+
+
+def _from_simple(document: dict, source: str) -> ClusterInventory:
+    groups = document["nodes"]
+    if not isinstance(groups, list) or not groups:
+        raise ConfigError("nodes", groups, "a non-empty list of {count, gpu, gpus}", source=source)
+    nodes: list[NodeInfo] = []
+    autoscaling: list[NodeTypeCapacity] = []
+    for i, group in enumerate(groups):
+        where = f"nodes[{i}]"
+        group = _mapping(group, where, source)
+        unknown = set(group) - {"name", "count", "gpu", "gpus", "free_bytes", "max_count"}
+        if unknown:
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}", group[sorted(unknown)[0]],
+                              "allowed keys: name, count, gpu, gpus, free_bytes, max_count", source=source)
+        count = _int(group.get("count", 1), f"{where}.count", source, minimum=0)
+        gpu = group.get("gpu")
+        if gpu is None:
+            raise ConfigError(f"{where}.gpu", None, f"one of {', '.join(gpu_names())}", source=source)
+        spec = lookup_gpu(gpu, field=f"{where}.gpu")
+        gpus = _int(group.get("gpus", spec.gpus_per_node), f"{where}.gpus", source, minimum=1)
+        free = group.get("free_bytes")
+        if free is not None:
+            values = free if isinstance(free, list) else [free]
+            if isinstance(free, list) and len(free) != gpus:
+                raise ConfigError(f"{where}.free_bytes", free, f"one number or a list of {gpus} (one per GPU)",
+                                  source=source)
+            for value in values:
+                if _int(value, f"{where}.free_bytes", source) > spec.total_bytes:
+                    raise ConfigError(f"{where}.free_bytes", value,
+                                      f"at most the {spec.name} total of {spec.total_bytes} bytes", source=source)
+        name = str(group.get("name", f"{spec.name.lower()}-{i}"))
+        nodes += _declared_nodes(name, spec.name, gpus, count, free_bytes=free, field_name=f"{where}.gpu")
+        if "max_count" in group:
+            max_count = _int(group["max_count"], f"{where}.max_count", source, minimum=count)
+            autoscaling.append(NodeTypeCapacity(name, spec.name, gpus, count, max_count))
+    return ClusterInventory(nodes=tuple(nodes), source=f"declared:{source}", autoscaling=tuple(autoscaling))
+
+
+def _from_launcher(document: dict, source: str) -> ClusterInventory:
+    types = _mapping(document["available_node_types"], "available_node_types", source)
+    if not types:
+        raise ConfigError("available_node_types", types, "at least one node type", source=source)
+    head_type = document.get("head_node_type")
+    if head_type is not None and head_type not in types:
+        raise ConfigError("head_node_type", head_type, f"one of available_node_types: {', '.join(types)}",
+                          source=source)
+    global_max = _int(document.get("max_workers", _UNBOUNDED), "max_workers", source)
+    nodes: list[NodeInfo] = []
+    autoscaling: list[NodeTypeCapacity] = []
+    for name, node_type in types.items():
+        where = f"available_node_types.{name}"
+        node_type = _mapping(node_type, where, source)
+        resources = _mapping(node_type.get("resources"), f"{where}.resources", source)
+        node_config = _mapping(node_type.get("node_config"), f"{where}.node_config", source)
+        instance_field, instance_name = None, None
+        for key in ("InstanceType", "machineType", "vmSize", "instance_type"):
+            if key in node_config:
+                instance_field, instance_name = f"{where}.node_config.{key}", node_config[key]
+        azure = _mapping(node_config.get("azure_arm_parameters"), f"{where}.node_config.azure_arm_parameters", source)
+        if "vmSize" in azure:
+            instance_field, instance_name = f"{where}.node_config.azure_arm_parameters.vmSize", azure["vmSize"]
+        instance = lookup_instance(instance_name) if instance_name else None
+        if "GPU" in resources:
+            gpus = _int(resources["GPU"], f"{where}.resources.GPU", source)
+        else:
+            gpus = instance.gpus if instance else 0
+        gpu = None
+        if gpus:
+            accelerator = _accelerator_from_resources(resources)
+            candidates = [(f"{where}.resources.accelerator_type", accelerator)]
+            if instance_name is not None:
+                candidates.append((instance_field, instance.gpu if instance else instance_name))
+            gpu = _resolve_gpu(candidates, f"{where}.resources", source)
+        is_head = name == head_type
+        if is_head:
+            min_count = max_count = 1
+        else:
+            min_count = _int(node_type.get("min_workers", 0), f"{where}.min_workers", source)
+            max_count = _int(node_type.get("max_workers", min_count), f"{where}.max_workers", source)
+            if max_count < min_count:
+                raise ConfigError(f"{where}.max_workers", max_count, f"at least min_workers ({min_count})",
+                                  source=source)
+            max_count = min(max_count, global_max)
+        labels = {str(k): str(v) for k, v in _mapping(node_type.get("labels"), f"{where}.labels", source).items()}
+        numeric = {str(k): float(v) for k, v in resources.items() if isinstance(v, (int, float))}
+        nodes += _declared_nodes(name, gpu, gpus, min_count, resources=numeric, labels=labels, is_head=is_head,
+                                 field_name=f"{where}.resources")
+        if not is_head and max_count > min_count:
+            autoscaling.append(NodeTypeCapacity(name, gpu, gpus, min_count, max_count, numeric, labels))
+    return ClusterInventory(nodes=tuple(nodes), source=f"declared:{source}", autoscaling=tuple(autoscaling))
+
+
+def _kube_group(group: dict, where: str, source: str) -> tuple[int, str | None, dict, dict]:
+    """(GPUs per pod, GPU name, Ray resources, labels) of a KubeRay head or worker group."""
+    resources_raw = _mapping(group.get("resources"), f"{where}.resources", source)
+    start = _mapping(group.get("rayStartParams"), f"{where}.rayStartParams", source)
+    start_resources: dict = {}
+    if "resources" in start:
+        import json
+
+        text = str(start["resources"]).strip().strip("'\"")
+        try:
+            start_resources = json.loads(text.replace("\\\"", "\""))
+        except json.JSONDecodeError:
+            raise ConfigError(f"{where}.rayStartParams.resources", start["resources"], "a JSON object of resources",
+                              source=source) from None
+    template = _mapping(group.get("template"), f"{where}.template", source)
+    pod_spec = _mapping(template.get("spec"), f"{where}.template.spec", source)
+    containers = pod_spec.get("containers") or []
+    if not isinstance(containers, list):
+        raise ConfigError(f"{where}.template.spec.containers", containers, "a list of containers", source=source)
+    gpus = None
+    gpu_field = f"{where}.template.spec.containers[0].resources.limits.nvidia.com/gpu"
+    for key, value in {**resources_raw, **start_resources}.items():
+        if key == "GPU":
+            gpus, gpu_field = value, f"{where}.resources.GPU"
+    if gpus is None and "num-gpus" in start:
+        gpus, gpu_field = start["num-gpus"], f"{where}.rayStartParams.num-gpus"
+    if gpus is None:
+        for c, container in enumerate(containers):
+            limits = _mapping(_mapping(container, f"{where}.template.spec.containers[{c}]", source).get("resources"),
+                              f"{where}.template.spec.containers[{c}].resources", source).get("limits") or {}
+            for key, value in limits.items():
+                if str(key).endswith("gpu"):
+                    gpus, gpu_field = value, f"{where}.template.spec.containers[{c}].resources.limits.{key}"
+    gpus = _int(gpus or 0, gpu_field, source)
+    labels = {str(k): str(v) for k, v in _mapping(group.get("labels"), f"{where}.labels", source).items()}
+    if "labels" in start:  # rayStartParams labels: "k1=v1,k2=v2"
+        for item in str(start["labels"]).split(","):
+            if "=" in item:
+                key, value = item.split("=", 1)
+                labels[key.strip()] = value.strip()
+    numeric = {str(k): float(v) for k, v in {**resources_raw, **start_resources}.items()
+               if isinstance(v, (int, float)) or str(v).replace(".", "", 1).isdigit()}
+    gpu = None
+    if gpus:
+        selector = _mapping(pod_spec.get("nodeSelector"), f"{where}.template.spec.nodeSelector", source)
+        candidates = [(f"{where}.resources.accelerator_type", _accelerator_from_resources(numeric)),
+                      (f"{where}.labels.ray.io/accelerator-type", labels.get("ray.io/accelerator-type"))]
+        candidates += [(f"{where}.template.spec.nodeSelector.{key}", selector.get(key)) for key in _KUBE_GPU_LABELS]
+        gpu = _resolve_gpu(candidates, f"{where}.resources", source)
+    return gpus, gpu, numeric, labels
+
+
+def _from_kuberay(document: dict, source: str) -> ClusterInventory:
+    spec = _mapping(document.get("spec"), "spec", source)
+    prefix = "spec"
+    if document["kind"] == "RayService":
+        spec, prefix = _mapping(spec.get("rayClusterConfig"), "spec.rayClusterConfig", source), "spec.rayClusterConfig"
+    nodes: list[NodeInfo] = []
+    autoscaling: list[NodeTypeCapacity] = []
+    head = _mapping(spec.get("headGroupSpec"), f"{prefix}.headGroupSpec", source)
+    gpus, gpu, resources, labels = _kube_group(head, f"{prefix}.headGroupSpec", source)
+    nodes += _declared_nodes("head", gpu, gpus, 1, resources=resources, labels=labels, is_head=True)
+    groups = spec.get("workerGroupSpecs") or []
+    if not isinstance(groups, list):
+        raise ConfigError(f"{prefix}.workerGroupSpecs", groups, "a list of worker groups", source=source)
+    for i, group in enumerate(groups):
+        where = f"{prefix}.workerGroupSpecs[{i}]"
+        group = _mapping(group, where, source)
+        name = str(group.get("groupName") or f"group-{i}")
+        gpus, gpu, resources, labels = _kube_group(group, where, source)
+        hosts = _int(group.get("numOfHosts", 1), f"{where}.numOfHosts", source, minimum=1)
+        min_replicas = _int(group.get("minReplicas", 0), f"{where}.minReplicas", source)
+        replicas = _int(group.get("replicas", min_replicas), f"{where}.replicas", source)
+        # Without maxReplicas the group does not autoscale for planning purposes (KubeRay's own default is
+        # unbounded, which no plan can be checked against).
+        max_replicas = _int(group.get("maxReplicas", max(replicas, min_replicas)), f"{where}.maxReplicas", source)
+        if max_replicas < min_replicas:
+            raise ConfigError(f"{where}.maxReplicas", max_replicas, f"at least minReplicas ({min_replicas})",
+                              source=source)
+        if group.get("suspend") is True:
+            continue
+        nodes += _declared_nodes(name, gpu, gpus, replicas * hosts, resources=resources, labels=labels,
+                                 field_name=f"{where}.resources")
+        if max_replicas > replicas:
+            autoscaling.append(NodeTypeCapacity(name, gpu, gpus, replicas * hosts, max_replicas * hosts,
+                                                resources, labels))
+    return ClusterInventory(nodes=tuple(nodes), source=f"declared:{source}", autoscaling=tuple(autoscaling))
