@@ -1,0 +1,494 @@
+"""The planner: (model inventory, serving target, cluster inventory, pinned choices) -> a checked ``Plan``.
+
+It searches the layouts vLLM 0.32 accepts for the model -- TP (dividing every count the model asserts on,
+inside one NVLink domain), PP (at most one stage per layer), expert parallelism on/off for MoE models, DP when
+pinned, and the PP layer partition (vLLM's default, or uneven ones that move layers off the last stage, which
+also holds lm_head and the draft) -- places every rank on a GPU (``placement.assign_ranks``), decides the
+kernel optimisations for that placement, and checks every GPU with the memory model. The best layout wins by
+the objective; when none fits, ``NoLayoutFitsError`` carries the closest candidates and their shortfalls.
+
+Objectives:
+- ``fewest-nodes`` (default): fits, then the fewest nodes, then the most requests the KV cache holds at
+  ``max_model_len``, then the fewest GPUs. A replica is sized in whole nodes (that is what a cluster scales
+  by); more throughput comes from more replicas, not from ever longer pipelines;
+- ``max-concurrency``: fits, then the most requests the KV cache holds at ``max_model_len`` (counted
+  up to ``max_num_seqs``, beyond which vLLM cannot use it), then the fewest GPUs;
+- ``fewest-gpus``: fits, then the fewest GPUs, then the most concurrency (the smallest replica; Serve adds
+  replicas for throughput).
+Pure: no torch, vLLM or Ray import.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimi_k3_serve.cluster import ClusterInventory, NodeInfo, rank_device
+from kimi_k3_serve.errors import ConfigError, DoesNotFitError
+from kimi_k3_serve.hardware import find_gpu_by_device_name
+from kimi_k3_serve.layout import EngineSettings, Layout
+from kimi_k3_serve.memory import batch_defaults, estimate_memory, stage_layer_ranges
+from kimi_k3_serve.models.inventory import ModelInventory
+from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
+from kimi_k3_serve.placement import RankPlacement, assign_ranks, placement_group_config, tp_groups
+from kimi_k3_serve.units import fmt_gib
+
+OBJECTIVES = ("fewest-nodes", "max-concurrency", "fewest-gpus")
+TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+MAX_LAST_STAGE_SHIFT = 3
+"""Uneven partitions tried: up to this many layers moved off the last stage."""
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Choices the user fixed; None leaves one to the search."""
+
+    tp: int | None = None
+    pp: int | None = None
+    ep: bool | None = None
+    dp: int | None = None
+    layer_partition: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout the search checked, with its placement and memory verdict (or why it could not be placed)."""
+
+    layout: Layout
+    placements: tuple[RankPlacement, ...] | None
+    report: Any | None
+    """``memory.MemoryReport``; None when the layout could not be placed."""
+    optimisations: Optimisations | None
+    reason: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.report is not None and bool(self.report.fits)
+
+    @property
+    def shortfall_bytes(self) -> int | None:
+        return None if self.report is None else int(self.report.shortfall_bytes)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layout": layout_json(self.layout), "gpus": self.layout.world_size, "fits": self.fits}
+        if self.report is not None:
+            out["max_concurrency"] = self.report.max_concurrency
+            out["shortfall_bytes"] = self.shortfall_bytes
+            out["binding_rank"] = self.report.binding_rank
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a deployment needs for one engine replica, and the proof that it fits."""
+
+    model: ModelInventory
+    engine: EngineSettings
+    layout: Layout
+    placements: tuple[RankPlacement, ...]
+    report: Any
+    optimisations: Optimisations
+    gpu_name: str
+    engine_kwargs: dict[str, Any]
+    env_vars: dict[str, str]
+    placement_group_config: dict[str, Any]
+    cluster_source: str
+    objective: str
+    considered: tuple[Candidate, ...] = field(default=(), repr=False)
+    search_seconds: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.report.fits)
+
+    @property
+    def last_stage_nodes(self) -> list[str]:
+        last = self.layout.pp - 1
+        return sorted({p.node_id for p in self.placements if p.pp_stage == last})
+
+    def to_json(self) -> dict[str, Any]:
+        report = self.report.to_json()
+        by_rank = {p.rank: p for p in self.placements}
+        ranks = []
+        for rank in report.get("ranks", []):
+            placed = by_rank.get(rank.get("rank"))
+            ranks.append({**rank, "node": placed.node_id if placed else None,
+                          "gpu_index": placed.gpu_index if placed else None,
+                          "nvlink_domain": placed.nvlink_domain if placed else None})
+        return {
+            "fits": self.fits,
+            "model": self.model.name,
+            "gpu": self.gpu_name,
+            "cluster": self.cluster_source,
+            "objective": self.objective,
+            "layout": layout_json(self.layout),
+            "max_concurrency": self.report.max_concurrency,
+            "kv_cache_tokens": self.report.kv_cache_tokens,
+            "num_blocks": self.report.num_blocks,
+            "optimisations": {item["name"]: item for item in self.optimisations.to_json()},
+            "ranks": ranks,
+            "engine_kwargs": self.engine_kwargs,
+            "env_vars": self.env_vars,
+            "placement_group_config": self.placement_group_config,
+            "last_stage_nodes": self.last_stage_nodes,
+            "memory": report,
+            "considered": [c.summary() for c in _closest(self.considered, 5)],
+            "search_seconds": round(self.search_seconds, 4),
+        }
+
+
+class NoLayoutFitsError(DoesNotFitError):
+    """No layout fits; ``candidates`` are the closest ones (smallest shortfall first)."""
+
+    def __init__(self, message: str, candidates: list[Candidate]) -> None:
+        super().__init__(message, report=candidates[0].report if candidates else None)
+        self.candidates = candidates
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fits": False, "reason": str(self), "candidates": [c.summary() for c in self.candidates]}
+
+
+def layout_json(layout: Layout) -> dict[str, Any]:
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "ep": layout.ep,
+        "dp": layout.dp,
+        "layer_partition": list(layout.layer_partition) if layout.layer_partition else None,
+        "describe": layout.describe(),
+    }
+
+
+def default_partition(num_layers: int, pp: int) -> tuple[int, ...]:
+    """vLLM 0.32's ``get_pp_indices`` split, as the memory model reads it."""
+    return tuple(end - start for start, end in stage_layer_ranges(num_layers, Layout(pp=pp)))
+
+
+def _lighter_last_stage(num_layers: int, pp: int, shift: int) -> tuple[int, ...] | None:
+    """vLLM's split with ``shift`` more layers moved from the last stage to the others, front stages first."""
+    parts = list(default_partition(num_layers, pp))
+    if parts[-1] - shift < 1:
+        return None
+    parts[-1] -= shift
+    order = sorted(range(pp - 1), key=lambda i: (parts[i], i))
+    for k in range(shift):
+        parts[order[k % (pp - 1)]] += 1
+    return tuple(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def legal_tp_sizes(model: ModelInventory) -> list[int]:
+    """TP sizes vLLM accepts for the model: dividing every count it asserts on (Kimi-K3: 96 heads), and for
+    GQA models dividing the KV heads or a multiple of them (replicated KV heads)."""
+    legal = []
+    for tp in TP_CHOICES:
+        if any(count % tp for _, count in model.tp_divisors):
+            continue
+        kv = model.num_kv_heads
+        if not model.uses_mla and kv and (kv % tp if tp <= kv else tp % kv):
+            continue
+        legal.append(tp)
+    return legal
+
+
+def _validate_pins(model: ModelInventory, pins: Pins) -> None:
+    legal = legal_tp_sizes(model)
+    if pins.tp is not None and pins.tp not in legal:
+        divisors = ", ".join(f"{name}={count}" for name, count in model.tp_divisors) or "none"
+        raise ConfigError("tp", pins.tp, f"one of {legal} (must divide {divisors})")
+    if pins.pp is not None and not (isinstance(pins.pp, int) and 1 <= pins.pp <= model.num_layers):
+        raise ConfigError("pp", pins.pp, f"an integer from 1 to the model's {model.num_layers} layers")
+    if pins.ep and not model.is_moe:
+        raise ConfigError("ep", pins.ep, f"{model.name} has no experts: expert parallelism needs a MoE model")
+    if pins.dp is not None and not (isinstance(pins.dp, int) and pins.dp >= 1):
+        raise ConfigError("dp", pins.dp, "an integer >= 1")
+    if pins.layer_partition is not None:
+        parts = pins.layer_partition
+        if pins.pp is not None and len(parts) != pins.pp:
+            raise ConfigError("layer_partition", list(parts), f"{pins.pp} entries (one per PP stage)")
+        if sum(parts) != model.num_layers or any(n < 1 for n in parts):
+            raise ConfigError("layer_partition", list(parts), f"positive layer counts summing to {model.num_layers}")
+
+
+def _check_cluster(cluster: ClusterInventory) -> list[NodeInfo]:
+    nodes = list(cluster.gpu_nodes)
+    if not nodes:
+        raise ConfigError("cluster", cluster.source, "a cluster with at least one GPU node")
+    for node in nodes:
+        for gpu in node.gpus:
+            if gpu.total_bytes is None or gpu.compute_capability is None:
+                raise ConfigError(
+                    "cluster",
+                    f"{node.node_id} GPU {gpu.index}",
+                    "GPUs of known memory: a Ray GPU resource without NVML (a test cluster) cannot be sized; "
+                    "describe the GPUs in a cluster file instead",
+                )
+    return nodes
+
+
+def _score(candidate: Candidate, objective: str, seq_cap: int) -> tuple:
+    report = candidate.report
+    concurrency = min(float(report.max_concurrency), float(_seq_cap(candidate, seq_cap))) if report is not None else 0.0
+    gpus = candidate.layout.world_size
+    default_split = candidate.layout.layer_partition is None
+    if objective == "fewest-gpus":
+        return (candidate.fits, -gpus, concurrency, default_split, -candidate.layout.pp)
+    if objective == "fewest-nodes":
+        nodes = len({p.node_id for p in candidate.placements}) if candidate.placements else 0
+        return (candidate.fits, -nodes, concurrency, -gpus, default_split, -candidate.layout.pp)
+    return (candidate.fits, concurrency, -gpus, default_split, -candidate.layout.pp)
+
+
+def _closest(candidates: tuple[Candidate, ...] | list[Candidate], n: int) -> list[Candidate]:
+    sized = [c for c in candidates if c.report is not None]
+    fitting = sorted((c for c in sized if c.fits), key=lambda c: -float(c.report.max_concurrency))
+    short = sorted((c for c in sized if not c.fits), key=lambda c: (c.shortfall_bytes, c.layout.world_size))
+    unplaced = [c for c in candidates if c.report is None]
+    return (fitting + short + unplaced)[:n]
+
+
+class _ClusterView:
+    """Per-plan caches over the cluster: the node table and the TP groups of each size."""
+
+    def __init__(self, cluster: ClusterInventory) -> None:
+        self.cluster = cluster
+        self.nodes = {node.node_id: node for node in cluster.gpu_nodes}
+        self._groups: dict[int, list] = {}
+
+    def groups(self, tp: int) -> list:
+        if tp not in self._groups:
+            self._groups[tp] = tp_groups(self.cluster, tp)
+        return self._groups[tp]
+
+
+def evaluate(
+    model: ModelInventory, engine: EngineSettings, cluster: ClusterInventory | _ClusterView, layout: Layout
+) -> Candidate:
+    """Place one layout on the cluster and check its memory on every rank's GPU."""
+    view = cluster if isinstance(cluster, _ClusterView) else _ClusterView(cluster)
+    placements, reason = assign_ranks(layout, view.cluster, view.groups(layout.tp))
+    if placements is None:
+        return Candidate(layout, None, None, None, reason)
+    nodes = view.nodes
+    devices = []
+    for p in placements:
+        node = nodes[p.node_id]
+        devices.append(rank_device(node, next(g for g in node.gpus if g.index == p.gpu_index)))
+    one_domain = all(
+        len({p.nvlink_domain for p in placements if (p.dp_rank, p.pp_stage) == key}) == 1
+        for key in {(p.dp_rank, p.pp_stage) for p in placements}
+    )
+    capability = min(d.compute_capability for d in devices)
+    smallest = min(devices, key=lambda d: d.total_bytes)
+    default_tokens, default_seqs = batch_defaults(smallest.total_bytes, smallest.name)
+    seqs = engine.max_num_seqs or default_seqs
+    tokens = engine.max_num_batched_tokens or min(default_tokens, seqs * engine.max_model_len)
+    optimisations = decide_optimisations(model, layout, engine, capability, one_domain,
+                                         max_num_batched_tokens=tokens, max_num_seqs=seqs,
+                                         mega_moe=engine.moe_backend == "deep_gemm_mega_moe")
+    try:
+        report = estimate_memory(model, layout, engine, devices, optimisations=optimisations)
+    except ConfigError as exc:  # a layout vLLM would refuse (e.g. the draft's TP): not a candidate
+        return Candidate(layout, tuple(placements), None, optimisations, f"vLLM would refuse it: {exc}")
+    return Candidate(layout, tuple(placements), report, optimisations)
+
+
+def plan(
+    model: ModelInventory,
+    engine: EngineSettings,
+    cluster: ClusterInventory,
+    pins: Pins = Pins(),
+    *,
+    objective: str = "fewest-nodes",
+) -> Plan:
+    """The best layout of ``model`` for ``engine`` on ``cluster``; ``NoLayoutFitsError`` when none fits."""
+    started = time.perf_counter()
+    if objective not in OBJECTIVES:
+        raise ConfigError("objective", objective, f"one of {', '.join(OBJECTIVES)}")
+    _validate_pins(model, pins)
+    nodes = _check_cluster(cluster)
+    total_gpus = sum(node.free_gpu_count for node in nodes)
+    domain_sizes: dict[str, int] = {}
+    for node in nodes:
+        for gpu in node.gpus[: node.free_gpu_count]:
+            domain_sizes[gpu.nvlink_domain] = domain_sizes.get(gpu.nvlink_domain, 0) + 1
+    largest_domain = max(domain_sizes.values())
+    seq_cap = engine.max_num_seqs or 1024
+
+    tps = [pins.tp] if pins.tp else [tp for tp in legal_tp_sizes(model) if tp <= largest_domain] or [1]
+    eps = [pins.ep] if pins.ep is not None else ([False, True] if model.is_moe else [False])
+    dp = pins.dp or 1
+    candidates: list[Candidate] = []
+    view = _ClusterView(cluster)
+    for tp in tps:
+        for ep in eps:
+            if pins.pp is not None or pins.layer_partition is not None:
+                pp = pins.pp or len(pins.layer_partition)
+                _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, seq_cap, candidates)
+            else:
+                max_pp = min(model.num_layers, total_gpus // (tp * dp))
+                _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, seq_cap, candidates)
+    if not candidates:
+        raise ConfigError("cluster", cluster.source, f"room for at least one rank of {model.name}")
+    best = max(candidates, key=lambda c: _score(c, objective, seq_cap))
+    elapsed = time.perf_counter() - started
+    if not best.fits:
+        closest = _closest(candidates, 5)
+        head = closest[0]
+        if head.report is not None:
+            detail = (f"closest: {head.layout.describe()} on {head.layout.world_size} GPUs is "
+                      f"{fmt_gib(head.shortfall_bytes)} short on rank {head.report.binding_rank}")
+        else:
+            detail = f"no layout could be placed: {head.reason}"
+        raise NoLayoutFitsError(
+            f"no layout of {model.name} fits {cluster.source} ({total_gpus} GPUs) at max_model_len "
+            f"{engine.max_model_len}; {detail}", closest)
+    return _make_plan(model, engine, cluster, best, objective, tuple(candidates), elapsed)
+
+
+def _reaches_goal(candidate: Candidate, objective: str, seq_cap: int) -> bool:
+    """Whether more stages could still improve this (TP, EP) for the objective."""
+    if not candidate.fits:
+        return False
+    return objective in ("fewest-gpus", "fewest-nodes") or float(candidate.report.max_concurrency) >= _seq_cap(candidate, seq_cap)
+
+
+def _seq_cap(candidate: Candidate, default: int) -> int:
+    return int(getattr(candidate.report, "max_num_seqs", 0) or default)
+
+
+def _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, seq_cap, sink) -> None:
+    """Evaluate the PP sizes worth a look for one (TP, EP), each with its best layer partition.
+
+    Placement only gets harder with more stages, and more stages (each with its best split) lower the weights
+    per GPU, so "fits" and "concurrency reaches max_num_seqs" each switch on once as PP grows. Small ranges
+    are scanned; large ones (big clusters) are searched by doubling then bisection, which keeps a 1,024-node
+    plan to a few dozen memory checks.
+    """
+    if max_pp < 1:
+        return
+    best: dict[int, Candidate | None] = {}
+
+    def state(pp: int) -> str:
+        if pp not in best:
+            best[pp] = _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, seq_cap, sink)
+        c = best[pp]
+        return "unplaced" if c is None else ("goal" if _reaches_goal(c, objective, seq_cap) else "short")
+
+    if max_pp <= 12:
+        for pp in range(1, max_pp + 1):
+            if state(pp) != "short":
+                return
+        return
+    lo, hi, pp = 0, None, 1  # state(lo) == "short" (or lo == 0); state(hi) != "short"
+    while pp <= max_pp:
+        if state(pp) != "short":
+            hi = pp
+            break
+        lo, pp = pp, pp * 2
+    if hi is None:
+        state(max_pp)
+        return
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if state(mid) == "short":
+            lo = mid
+        else:
+            hi = mid
+
+
+def _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, seq_cap, sink) -> Candidate | None:
+    """Evaluate vLLM's split and the lighter-last-stage splits of one (TP, PP, EP); None if unplaceable."""
+    if pins.layer_partition is not None:
+        partitions: list[tuple[int, ...] | None] = [pins.layer_partition]
+    elif pp == 1:
+        partitions = [None]
+    else:
+        partitions = [None] + [p for s in range(1, MAX_LAST_STAGE_SHIFT + 1)
+                               if (p := _lighter_last_stage(model.num_layers, pp, s)) is not None]
+    best = None
+    for partition in partitions:
+        candidate = evaluate(model, engine, view, Layout(tp=tp, pp=pp, ep=ep, dp=dp, layer_partition=partition))
+        sink.append(candidate)
+        if candidate.report is None:
+            return None
+        if best is None or _score(candidate, objective, seq_cap) > _score(best, objective, seq_cap):
+            best = candidate
+        if partition is None and candidate.fits and candidate.report.binding_rank is not None \
+                and candidate.layout.stage_of_rank(candidate.report.binding_rank) != pp - 1:
+            break  # the last stage does not bind: lightening it cannot help
+    return best
+
+
+def _make_plan(model, engine, cluster, best: Candidate, objective, considered, elapsed) -> Plan:
+    layout = best.layout
+    first_gpu = next(g for n in cluster.gpu_nodes for g in n.gpus if n.node_id == best.placements[0].node_id)
+    spec = find_gpu_by_device_name(first_gpu.name)
+    gpus_per_node = max(node.gpu_count for node in cluster.gpu_nodes)
+    return Plan(
+        model=model,
+        engine=engine,
+        layout=layout,
+        placements=best.placements,
+        report=best.report,
+        optimisations=best.optimisations,
+        gpu_name=spec.name if spec else first_gpu.name,
+        engine_kwargs=engine_kwargs(layout, engine),
+        env_vars=env_vars(layout, best.optimisations),
+        placement_group_config=placement_group_config(layout, spec, gpus_per_node),
+        cluster_source=cluster.source,
+        objective=objective,
+        considered=considered,
+        search_seconds=elapsed,
+    )
+
+
+def engine_kwargs(layout: Layout, engine: EngineSettings) -> dict[str, Any]:
+    """``LLMConfig.engine_kwargs`` (vLLM ``AsyncEngineArgs`` names) for the layout and target."""
+    kwargs: dict[str, Any] = {
+        "tensor_parallel_size": layout.tp,
+        "pipeline_parallel_size": layout.pp,
+        "max_model_len": engine.max_model_len,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+    }
+    if layout.dp > 1:
+        kwargs["data_parallel_size"] = layout.dp
+    if layout.ep:
+        kwargs["enable_expert_parallel"] = True
+    if layout.dcp > 1:
+        kwargs["decode_context_parallel_size"] = layout.dcp
+    for name in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
+        value = getattr(engine, name)
+        if value is not None:
+            kwargs[name] = value
+    if engine.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = engine.kv_cache_dtype
+    if engine.mamba_ssm_cache_dtype != "auto":
+        kwargs["mamba_ssm_cache_dtype"] = engine.mamba_ssm_cache_dtype
+    if engine.enforce_eager:
+        kwargs["enforce_eager"] = True
+    if engine.language_model_only:
+        kwargs["language_model_only"] = True
+    spec = engine.speculative
+    if spec is not None:
+        config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
+        if spec.draft is not None:
+            config["model"] = spec.draft.source or spec.draft.name
+        if spec.draft_tp is not None:
+            config["draft_tensor_parallel_size"] = spec.draft_tp
+        kwargs["speculative_config"] = config
+    return kwargs
+
+
+def env_vars(layout: Layout, optimisations: Optimisations) -> dict[str, str]:
+    env = dict(optimisations.env)
+    if layout.pp > 1 and layout.layer_partition is not None:
+        env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(n) for n in layout.layer_partition)
+    return env
