@@ -108,6 +108,8 @@ class EngineSettings:
     language_model_only: bool = True
     """Skip the vision tower (``--language-model-only``); a text endpoint does not need it."""
     enforce_eager: bool = False
+    moe_backend: str = "auto"
+    """vLLM ``moe_backend``; ``deep_gemm_mega_moe`` (MegaMoE) is one of the ways sequence parallelism turns on."""
 
     def __post_init__(self) -> None:
         _positive("engine.max_model_len", self.max_model_len)
