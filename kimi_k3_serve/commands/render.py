@@ -1,0 +1,276 @@
+"""``kimi-k3-serve render``: write the Ray cluster launcher, KubeRay or fake-provider file for a deploy config.
+
+The planner first checks the deploy config's own layout (TP, PP, EP, layer split, limits, draft) on the nodes
+one replica occupies; a layout that does not fit gets no cluster file (exit 1, with the per-GPU shortfall).
+The node type, the custom resources it must declare and the bundles per node come from that plan's placement
+group and rank placement, and the worker counts from the autoscaling range, so a cluster file cannot drift
+from the plan: the shipped files under ``cluster_configs/`` are this command's output, and a test renders them
+again. The plan's verdict is copied into the file's header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.hardware import lookup_gpu
+from kimi_k3_serve.layout import EngineSettings, SpeculativeSettings
+from kimi_k3_serve.render import (
+    FORMATS,
+    PLATFORM_OF_FORMAT,
+    ClusterFileRequest,
+    ReplicaScaling,
+    ReplicaShape,
+    bundle_custom_resources,
+    find_offering,
+    render,
+)
+from kimi_k3_serve.units import cdiv, fmt_gib
+
+FAKE_IDLE_TIMEOUT_S = 12
+"""The fake cluster is for tests: nodes go away 12 s (0.2 min) after the placement group is released."""
+IDLE_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """A Serve deploy file (checked against Ray's ``ServeDeploySchema``) and our application's ``args``."""
+
+    path: Path
+    text: str
+    app_name: str
+    args: Any
+    """``kimi_k3_serve.args.ServeArgs``."""
+
+
+def load_deploy_config(path: str | Path, *, app: str | None = None) -> DeployConfig:
+    from kimi_k3_serve.serve_config import load_serve_app
+
+    serve_app = load_serve_app(path, app_name=app)
+    args = serve_app.args
+    if args.accelerator.kind != "gpu" or args.accelerator.type is None:
+        raise ConfigError(
+            "args.accelerator.type", args.accelerator.type, "a GPU type: cluster files are for GPU deployments", source=str(path)
+        )
+    return DeployConfig(Path(path), Path(path).read_text(), serve_app.name, args)
+
+
+# Hub ids of the checkpoints whose config.json ships with the package, so a deploy config that names the hub
+# id is planned offline. Any other source must be a local folder (or config.json) the planner can read.
+SHIPPED_MODEL_IDS = {"moonshotai/Kimi-K3": "kimi-k3", "Inferact/Kimi-K3-DSpark": "kimi-k3-dspark"}
+
+
+def model_inventory(source: str, *, field: str):
+    from kimi_k3_serve.models import load_model
+
+    shipped = SHIPPED_MODEL_IDS.get(source)
+    try:
+        return load_model(shipped or source)
+    except ConfigError as exc:
+        raise ConfigError(
+            field, source, f"{', '.join(SHIPPED_MODEL_IDS)} or a local checkpoint folder / config.json ({exc.allowed})"
+        ) from None
+
+
+def engine_settings(args: Any) -> EngineSettings:
+    """The planner's view of the deploy config's engine: the limits, the draft, and the pass-through engine
+    arguments that change memory."""
+    limits, extra = args.limits, args.engine_kwargs
+    speculative = None
+    if args.speculative is not None:
+        speculative = SpeculativeSettings(
+            method=args.speculative.method,
+            num_speculative_tokens=args.speculative.num_speculative_tokens,
+            draft=model_inventory(args.speculative.model, field="args.speculative.model"),
+            draft_tp=args.speculative.draft_tensor_parallel_size,
+        )
+    return EngineSettings(
+        max_model_len=limits.max_model_len,
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
+        kv_cache_dtype=limits.kv_cache_dtype,
+        gpu_memory_utilization=limits.gpu_memory_utilization,
+        enable_prefix_caching=limits.enable_prefix_caching,
+        mamba_ssm_cache_dtype=extra.get("mamba_ssm_cache_dtype", "auto"),
+        speculative=speculative,
+        language_model_only=bool(extra.get("language_model_only", False)),
+        enforce_eager=limits.enforce_eager,
+        moe_backend=str(extra.get("moe_backend", "auto")),
+    )
+
+
+def plan_replica(args: Any, *, gpus_per_node: int):
+    """The planner's check of the deploy config's own layout on the nodes one replica occupies.
+
+    Raises ``DoesNotFitError`` (exit 1) with the per-GPU shortfall when it does not fit: a cluster file is not
+    written for a replica that cannot load.
+    """
+    from kimi_k3_serve.cluster import declared_cluster
+    from kimi_k3_serve.planner import plan
+
+    parallel = args.parallel
+    model = model_inventory(args.model.source, field="args.model.source")
+    nodes = cdiv(parallel.world_size, gpus_per_node)
+    cluster = declared_cluster(args.accelerator.type, nodes, gpus_per_node)
+    return plan(model, engine_settings(args), cluster, deploy_pins(args, model))
+
+
+def deploy_pins(args: Any, model: Any):
+    """The deploy config's layout, pinned: the planner checks exactly what will run. Without a
+    ``layer_partition`` vLLM splits the layers its default way, so that split is pinned too."""
+    from kimi_k3_serve.planner import Pins, default_partition
+
+    parallel = args.parallel
+    pp = parallel.pipeline_parallel_size
+    if parallel.layer_partition is not None:
+        partition = tuple(parallel.layer_partition)
+    else:
+        partition = default_partition(model.num_layers, pp) if pp > 1 else None
+    return Pins(
+        tp=parallel.tensor_parallel_size,
+        pp=pp,
+        ep=parallel.enable_expert_parallel,
+        dp=parallel.data_parallel_size,
+        layer_partition=partition,
+    )
+
+
+def replica_shape_from_plan(plan: Any, *, gpus_per_node: int, cpus_per_node: int, memory_bytes_per_node: int) -> ReplicaShape:
+    """One replica as the plan places it: the placement group's bundles and the GPUs each node holds."""
+    per_node = Counter(p.node_id for p in plan.placements)
+    layout = tuple(per_node[node] for node in sorted(per_node))
+    gpu = lookup_gpu(plan.gpu_name)
+    return ReplicaShape(
+        gpu=gpu.name,
+        accelerator_type=gpu.ray_accelerator_type,
+        gpus_per_node=gpus_per_node,
+        nodes_per_replica=len(layout),
+        bundles_per_node=layout,
+        bundle_resources=bundle_custom_resources(plan.placement_group_config["bundles"]),
+        cpus_per_node=cpus_per_node,
+        memory_bytes_per_node=memory_bytes_per_node,
+    )
+
+
+def plan_verdict(plan: Any) -> tuple[str, ...]:
+    """The planner's numbers, for the cluster file's header."""
+    report = plan.report
+    tightest = min(report.ranks, key=lambda r: r.headroom_bytes)
+    engine = plan.engine
+    on = [item.name for item in plan.optimisations.items if item.on]
+    return (
+        f"Planner (vLLM 0.32 memory accounting): {plan.layout.describe()} on {plan.layout.world_size} x {plan.gpu_name} "
+        f"fits at gpu_memory_utilization {engine.gpu_memory_utilization}.",
+        f"  KV cache {report.kv_cache_tokens} tokens ({report.num_blocks} blocks): {float(report.max_concurrency):.2f} "
+        f"requests of max_model_len {engine.max_model_len} at once (max_num_seqs {report.max_num_seqs}).",
+        f"  Tightest GPU: rank {tightest.rank} (stage {tightest.pp_stage}), headroom {fmt_gib(tightest.headroom_bytes)}.",
+        "  Kernel optimisations on: " + (", ".join(on) if on else "none") + ".",
+    )
+
+
+def _display_path(path: Path) -> str:
+    """The config path as a user would type it from the repository root: relative when it lies below the
+    working directory, so a rendered file names no machine path."""
+    if path.is_absolute():
+        try:
+            return path.relative_to(Path.cwd()).as_posix()
+        except ValueError:
+            return path.as_posix()
+    return path.as_posix()
+
+
+def default_cluster_name(config_path: Path) -> str:
+    stem = config_path.stem
+    suffix = stem.removeprefix("config").strip("-_")
+    return "kimi-k3" + (f"-{suffix}" if suffix else "")
+
+
+def build_request(
+    config: DeployConfig,
+    fmt: str,
+    *,
+    instance_type: str | None = None,
+    cluster_name: str | None = None,
+    idle_timeout_s: int | None = None,
+    display_path: str | None = None,
+) -> ClusterFileRequest:
+    if fmt not in FORMATS:
+        raise ConfigError("--format", fmt, f"expected one of {', '.join(FORMATS)}")
+    args = config.args
+    gpu = lookup_gpu(args.accelerator.type)
+    offering = find_offering(PLATFORM_OF_FORMAT[fmt], gpu.name, instance_type)
+    replica_plan = plan_replica(args, gpus_per_node=offering.gpus)
+    shape = replica_shape_from_plan(
+        replica_plan, gpus_per_node=offering.gpus, cpus_per_node=offering.cpus, memory_bytes_per_node=offering.memory_bytes
+    )
+    scaling = ReplicaScaling(args.autoscaling.min_replicas, args.autoscaling.max_replicas)
+    extra: list[str] = []
+    if instance_type is not None:
+        extra += ["--instance-type", instance_type]
+    if cluster_name is not None:
+        extra += ["--cluster-name", cluster_name]
+    if idle_timeout_s is not None:
+        extra += ["--idle-timeout-s", str(idle_timeout_s)]
+    name = cluster_name or default_cluster_name(config.path)
+    if fmt == "fake":
+        name += "-fake"
+    if idle_timeout_s is None:
+        idle_timeout_s = FAKE_IDLE_TIMEOUT_S if fmt == "fake" else IDLE_TIMEOUT_S
+    return ClusterFileRequest(
+        format=fmt,
+        shape=shape,
+        scaling=scaling,
+        offering=offering,
+        cluster_name=name,
+        deploy_config=display_path or _display_path(config.path),
+        serve_config_text=config.text,
+        verdict=plan_verdict(replica_plan),
+        extra_options=tuple(extra),
+        idle_timeout_s=idle_timeout_s,
+    )
+
+
+def render_deploy_config(path: str | Path, fmt: str, **options: Any) -> str:
+    """The cluster file text for ``path`` in format ``fmt`` (what the command writes)."""
+    app = options.pop("app", None)
+    config = load_deploy_config(path, app=app)
+    return render(build_request(config, fmt, **options))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="the Serve deploy config (deploy/*.yaml)")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="which cluster file to write")
+    parser.add_argument("--output", help="write here instead of standard output")
+    parser.add_argument("--app", help="the application in the config, when it holds more than one of ours")
+    parser.add_argument("--instance-type", help="node type to use instead of the default for the GPU and platform")
+    parser.add_argument("--cluster-name", help="cluster / RayService name (default: from the config file name)")
+    parser.add_argument(
+        "--idle-timeout-s",
+        type=int,
+        help=f"seconds before an idle GPU node is released (default {IDLE_TIMEOUT_S}; fake: {FAKE_IDLE_TIMEOUT_S})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    text = render_deploy_config(
+        args.config,
+        args.format,
+        app=args.app,
+        instance_type=args.instance_type,
+        cluster_name=args.cluster_name,
+        idle_timeout_s=args.idle_timeout_s,
+    )
+    if args.output:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            raise ConfigError("--output", args.output, f"a writable file path ({exc.strerror})") from None
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
