@@ -1,0 +1,369 @@
+"""Every shipped deploy config and cluster file is valid for the tool that reads it, fits per the planner, and
+is exactly what ``kimi-k3-serve render`` writes.
+
+- Serve configs: Ray Serve's ``ServeDeploySchema``, our ``args`` schema, Serve's ``DeploymentConfig`` for the
+  options the app builder derives, and vLLM 0.32's engine-argument names and choices for the pass-through
+  ``engine_kwargs``.
+- Ray cluster launcher files: Ray's ``ray/autoscaler/ray-schema.json`` (jsonschema) and Ray's own
+  ``prepare_config`` + ``validate_config``.
+- KubeRay files: a field whitelist of the ``ray.io/v1`` RayService / RayCluster types (KubeRay >= 1.4, read
+  from ``ray-operator/apis/ray/v1/{rayservice,raycluster}_types.go``) plus Ray's KubeRay autoscaling-config
+  reader, which is what the in-tree autoscaler turns the worker groups into.
+- Fit: the planner checks each deploy config's own layout on the nodes its cluster file declares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kimi_k3_serve.cli import main
+from kimi_k3_serve.cluster import load_cluster_file
+from kimi_k3_serve.commands.render import deploy_pins, engine_settings, model_inventory
+from kimi_k3_serve.planner import plan
+from kimi_k3_serve.serve_config import load_serve_app, read_serve_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY_CONFIGS = sorted((REPO / "deploy").glob("config*.yaml"))
+CLUSTER_FILES = sorted((REPO / "cluster_configs").glob("*.yaml"))
+HEADER = re.compile(r"^# Written by `(kimi-k3-serve render [^`]+)`", re.MULTILINE)
+
+EXPECTED_CLUSTER_FILES = {
+    "aws-h200-p5en.yaml": ("deploy/config.yaml", "launcher-aws"),
+    "gcp-h200-a3-ultra.yaml": ("deploy/config.yaml", "launcher-gcp"),
+    "kuberay-h200.yaml": ("deploy/config.yaml", "kuberay"),
+    "fake-h200.yaml": ("deploy/config.yaml", "fake"),
+    "aws-b200-p6.yaml": ("deploy/config-b200.yaml", "launcher-aws"),
+    "kuberay-gb300-nvl72.yaml": ("deploy/config-gb300-nvl72.yaml", "kuberay"),
+}
+
+
+def _ids(paths):
+    return [p.name for p in paths]
+
+
+def _render_command(path: Path) -> list[str]:
+    match = HEADER.search(path.read_text())
+    assert match, f"{path.name} does not say which render command wrote it"
+    return shlex.split(match.group(1))
+
+
+def _option(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def _cluster_files_of(config: Path) -> list[Path]:
+    relative = config.relative_to(REPO).as_posix()
+    return [f for f in CLUSTER_FILES if _option(_render_command(f), "--config") == relative]
+
+
+@pytest.fixture(scope="module")
+def replica_plans():
+    """The planner's verdict for each deploy config's own layout, on one replica's nodes (declared)."""
+    from kimi_k3_serve.commands.render import plan_replica
+    from kimi_k3_serve.hardware import lookup_gpu
+
+    plans = {}
+    for config in DEPLOY_CONFIGS:
+        args = load_serve_app(config).args
+        plans[config.name] = plan_replica(args, gpus_per_node=lookup_gpu(args.accelerator.type).gpus_per_node)
+    return plans
+
+
+# --- Serve configs ----------------------------------------------------------------------------------------------
+
+
+def test_the_three_deploy_configs_ship():
+    assert {p.name for p in DEPLOY_CONFIGS} == {"config.yaml", "config-b200.yaml", "config-gb300-nvl72.yaml"}
+
+
+@pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))
+def test_deploy_config_passes_serve_and_args_schemas(config):
+    from ray.serve._private.config import DeploymentConfig
+
+    from kimi_k3_serve.app import deployment_config, ingress_deployment_config
+
+    document = read_serve_config(config)  # ServeDeploySchema
+    app = load_serve_app(config)  # our args schema
+    assert document["proxy_location"] == "EveryNode"
+    assert app.args.accelerator.kind == "gpu"
+    derived = DeploymentConfig.from_default(**deployment_config(app.args))
+    assert derived.autoscaling_config.target_ongoing_requests == app.args.autoscaling.target_ongoing_requests
+    assert DeploymentConfig.from_default(**ingress_deployment_config(app.args)).num_replicas == app.args.ingress.num_replicas
+
+
+@pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))
+def test_engine_kwargs_are_vllm_032_arguments(config):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    fields = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
+    for name, value in load_serve_app(config).args.engine_kwargs.items():
+        assert name in fields, f"{config.name}: {name} is not a vLLM 0.32 engine argument"
+        kind = fields[name].type
+        if typing.get_origin(kind) is typing.Literal:
+            assert value in typing.get_args(kind), f"{config.name}: {name}={value!r} is not one of vLLM's choices"
+        if name == "attention_backend":
+            assert value in AttentionBackendEnum.__members__, f"{config.name}: no attention backend {value!r}"
+
+
+@pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))
+def test_deploy_config_serving_settings(config, replica_plans):
+    args = load_serve_app(config).args
+    verdict = replica_plans[config.name]
+    concurrency = float(verdict.report.max_concurrency)
+    # Limits with margin: the KV cache holds max_num_seqs requests even at max_model_len.
+    assert verdict.fits and args.limits.max_num_seqs <= concurrency
+    # A real autoscaling target, from the plan's concurrency (Ray Serve LLM's own default is 1e9: never scales).
+    target = args.autoscaling.target_ongoing_requests
+    assert target is not None and 1 <= target <= min(args.limits.max_num_seqs, concurrency)
+    assert args.autoscaling.max_replicas > args.autoscaling.min_replicas >= 1
+    assert args.ingress.num_replicas == args.autoscaling.max_replicas, "ingress scaled with the model"
+    # A replica takes many minutes to load: slow scale-in, generous start/health/drain times.
+    assert args.autoscaling.downscale_delay_s >= 600
+    assert args.deployment.health_check_timeout_s >= 30
+    assert args.deployment.graceful_shutdown_timeout_s >= 60
+    assert int(args.runtime_env.env_vars["RAYLLM_ENGINE_START_TIMEOUT_S"]) > 3600
+    # DSpark, the draft vLLM recommends for Kimi-K3; the planner charged it to the last stage.
+    assert (args.speculative.method, args.speculative.model) == ("dspark", "Inferact/Kimi-K3-DSpark")
+    last = max(r.pp_stage for r in verdict.report.ranks)
+    assert all(r.draft_bytes > 0 for r in verdict.report.ranks if r.pp_stage == last)
+    assert all(r.draft_bytes == 0 for r in verdict.report.ranks if r.pp_stage != last)
+
+
+def test_gb300_layout_is_the_gemm_rs_sequence_parallel_one(replica_plans):
+    verdict = replica_plans["config-gb300-nvl72.yaml"]
+    assert verdict.optimisations.is_on("sequence_parallel") and verdict.optimisations.is_on("gemm_rs")
+    assert len({p.node_id for p in verdict.placements}) > 1, "the TP group spans trays of one NVLink domain"
+    assert len({p.nvlink_domain for p in verdict.placements}) == 1
+    env = load_serve_app(REPO / "deploy/config-gb300-nvl72.yaml").args.runtime_env.env_vars
+    assert env["VLLM_ENABLE_GEMM_RS"] == "1" == verdict.env_vars["VLLM_ENABLE_GEMM_RS"]
+
+
+# --- every deploy config fits its cluster files -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))
+def test_deploy_config_fits_its_cluster_files(config):
+    args = load_serve_app(config).args
+    model = model_inventory(args.model.source, field="args.model.source")
+    engine = engine_settings(args)
+    files = [f for f in _cluster_files_of(config) if "fake" not in f.name]
+    assert files, f"no cluster file is rendered from {config.name}"
+    for cluster_file in files:
+        # The nodes the file starts with hold min_replicas replicas; its maximum holds max_replicas.
+        cluster = load_cluster_file(str(cluster_file))
+        verdict = plan(model, engine, cluster, deploy_pins(args, model))
+        assert verdict.fits, cluster_file.name
+        world = args.parallel.world_size
+        at_capacity = cluster.at_capacity()
+        assert sum(n.gpu_count for n in at_capacity.gpu_nodes) == args.autoscaling.max_replicas * world
+        print(f"\n{config.name} on {cluster_file.name}: {verdict.layout.describe()} fits, "
+              f"{float(verdict.report.max_concurrency):.2f} x {args.limits.max_model_len} tokens")
+
+
+# --- cluster files ----------------------------------------------------------------------------------------------
+
+
+def test_expected_cluster_files_ship_and_each_names_its_source():
+    assert {f.name for f in CLUSTER_FILES} == set(EXPECTED_CLUSTER_FILES)
+    for cluster_file in CLUSTER_FILES:
+        words = _render_command(cluster_file)
+        assert (_option(words, "--config"), _option(words, "--format")) == EXPECTED_CLUSTER_FILES[cluster_file.name]
+
+
+@pytest.mark.parametrize("cluster_file", CLUSTER_FILES, ids=_ids(CLUSTER_FILES))
+def test_shipped_cluster_file_is_renders_output_byte_for_byte(cluster_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / cluster_file.name
+    assert main(_render_command(cluster_file)[1:] + ["--output", str(out)]) == 0
+    assert out.read_text() == cluster_file.read_text(), (
+        f"{cluster_file.name} drifted from its deploy config: run the command in its header again"
+    )
+
+
+def _launcher_files():
+    return [f for f in CLUSTER_FILES if _option(_render_command(f), "--format").startswith("launcher-")]
+
+
+def _kuberay_files():
+    return [f for f in CLUSTER_FILES if _option(_render_command(f), "--format") == "kuberay"]
+
+
+def _ray_schema() -> dict:
+    import ray.autoscaler
+
+    return json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+
+
+def _expected_worker(cluster_file: Path) -> tuple[int, int, dict[str, float]]:
+    """(min workers, max workers, custom resources per bundle) the deploy config and its plan call for."""
+    from kimi_k3_serve.commands.render import plan_replica
+    from kimi_k3_serve.render import bundle_custom_resources
+
+    words = _render_command(cluster_file)
+    args = load_serve_app(REPO / _option(words, "--config")).args
+    document = yaml.safe_load(cluster_file.read_text())
+    if "available_node_types" in document:
+        gpus_per_node = next(t["resources"]["GPU"] for t in document["available_node_types"].values() if "GPU" in t["resources"])
+    else:
+        limits = document["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+        gpus_per_node = int(limits["resources"]["limits"]["nvidia.com/gpu"])
+    replica = plan_replica(args, gpus_per_node=gpus_per_node)
+    nodes = len({p.node_id for p in replica.placements})
+    custom = dict(bundle_custom_resources(replica.placement_group_config["bundles"]))
+    return args.autoscaling.min_replicas * nodes, args.autoscaling.max_replicas * nodes, custom
+
+
+@pytest.mark.parametrize("cluster_file", _launcher_files(), ids=_ids(_launcher_files()))
+def test_launcher_file_is_valid_for_ray_and_matches_the_plan(cluster_file):
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    document = yaml.safe_load(cluster_file.read_text())
+    jsonschema.validate(document, _ray_schema())
+    validate_config(prepare_config(document))  # what `ray up` does before launching anything
+    (worker,) = [t for name, t in document["available_node_types"].items() if name != document["head_node_type"]]
+    min_workers, max_workers, custom = _expected_worker(cluster_file)
+    assert (worker["min_workers"], worker["max_workers"], document["max_workers"]) == (min_workers, max_workers, max_workers)
+    for resource, per_bundle in custom.items():
+        assert worker["resources"][resource] >= per_bundle * worker["resources"]["GPU"], resource
+
+
+def test_fake_cluster_file_is_valid_for_ray():
+    import jsonschema
+    from ray.autoscaler._private.util import validate_config
+
+    cluster_file = REPO / "cluster_configs" / "fake-h200.yaml"
+    document = yaml.safe_load(cluster_file.read_text())
+    jsonschema.validate(document, _ray_schema())
+    validate_config(document)  # the fake provider ships no defaults file, so the file is complete on its own
+    production = yaml.safe_load((REPO / "cluster_configs" / "aws-h200-p5en.yaml").read_text())
+    fake_worker = document["available_node_types"]["gpu_8xh200"]["resources"]
+    real_worker = production["available_node_types"]["gpu_8xh200"]["resources"]
+    assert {k: v for k, v in fake_worker.items() if k not in ("CPU", "object_store_memory")} == {
+        k: v for k, v in real_worker.items() if k != "CPU"
+    }
+
+
+# KubeRay ray.io/v1 fields (KubeRay >= 1.4): RayServiceSpec, RayClusterSpec, HeadGroupSpec, WorkerGroupSpec,
+# AutoscalerOptions from ray-operator/apis/ray/v1/{rayservice,raycluster}_types.go. ``None`` = any value.
+# The pod template is corev1.PodTemplateSpec; only the fields these files use are listed.
+_CONTAINER = {"name": str, "image": str, "resources": {"limits": None, "requests": None, "claims": [{"name": str}]},
+              "ports": [{"containerPort": int, "name": str}], "volumeMounts": [{"name": str, "mountPath": str}],
+              "env": None}
+_POD_TEMPLATE = {"metadata": None, "spec": {"containers": [_CONTAINER], "volumes": None, "tolerations": None,
+                                            "nodeSelector": None, "resourceClaims": None}}
+_STRING_MAP = {"*": str}
+_KUBERAY_RAYSERVICE = {
+    "apiVersion": str,
+    "kind": str,
+    "metadata": {"name": str, "namespace": str, "labels": None, "annotations": None},
+    "spec": {
+        "serveConfigV2": str,
+        "rayClusterDeletionDelaySeconds": int,
+        "excludeHeadPodFromServeSvc": bool,
+        "serveService": None,
+        "upgradeStrategy": {"type": ("NewCluster", "NewClusterWithIncrementalUpgrade", "None"), "clusterUpgradeOptions": None},
+        "rayClusterConfig": {
+            "rayVersion": str,
+            "enableInTreeAutoscaling": bool,
+            "suspend": bool,
+            "gcsFaultToleranceOptions": None,
+            "headServiceAnnotations": None,
+            "autoscalerOptions": {
+                "version": ("v1", "v2"),
+                "upscalingMode": ("Default", "Aggressive", "Conservative"),
+                "idleTimeoutSeconds": int,
+                "resources": None, "image": str, "imagePullPolicy": str, "env": None, "envFrom": None,
+                "volumeMounts": None, "securityContext": None,
+            },
+            "headGroupSpec": {"rayStartParams": _STRING_MAP, "template": _POD_TEMPLATE, "serviceType": str,
+                              "headService": None, "enableIngress": bool, "resources": _STRING_MAP, "labels": _STRING_MAP},
+            "workerGroupSpecs": [{
+                "groupName": str, "replicas": int, "minReplicas": int, "maxReplicas": int, "idleTimeoutSeconds": int,
+                "numOfHosts": int, "suspend": bool, "scaleStrategy": None, "resources": _STRING_MAP,
+                "labels": _STRING_MAP, "rayStartParams": _STRING_MAP, "template": _POD_TEMPLATE,
+            }],
+        },
+    },
+}
+_REQUIRED = {"spec.rayClusterConfig.headGroupSpec": ("template",),
+             "spec.rayClusterConfig.workerGroupSpecs[]": ("groupName", "minReplicas", "maxReplicas", "template")}
+
+
+def _check_fields(value, schema, path: str, problems: list[str]) -> None:
+    if schema is None:
+        return
+    if isinstance(schema, tuple):
+        if value not in schema:
+            problems.append(f"{path}: {value!r} not one of {schema}")
+    elif isinstance(schema, type):
+        if not isinstance(value, schema) or (schema is int and isinstance(value, bool)):
+            problems.append(f"{path}: expected {schema.__name__}, got {type(value).__name__}")
+    elif isinstance(schema, list):
+        if not isinstance(value, list):
+            problems.append(f"{path}: expected a list")
+            return
+        for i, item in enumerate(value):
+            _check_fields(item, schema[0], f"{path}[{i}]", problems)
+    elif isinstance(schema, dict):
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping")
+            return
+        for key, item in value.items():
+            if "*" in schema:
+                _check_fields(item, schema["*"], f"{path}.{key}", problems)
+            elif key not in schema:
+                problems.append(f"{path}.{key}: not a field of the KubeRay CRD")
+            else:
+                _check_fields(item, schema[key], f"{path}.{key}".lstrip("."), problems)
+        for required in _REQUIRED.get(re.sub(r"\[\d+\]", "[]", path.lstrip(".")), ()):
+            if required not in value:
+                problems.append(f"{path}.{required}: required")
+
+
+def test_kuberay_field_check_catches_typos():
+    problems: list[str] = []
+    document = {"apiVersion": "ray.io/v1", "kind": "RayService", "spec": {"rayClusterConfig": {
+        "workerGroupSpecs": [{"groupName": "g", "minReplica": 1, "maxReplicas": 2, "template": {}}],
+        "autoscalerOptions": {"version": "v3"}}}}
+    _check_fields(document, _KUBERAY_RAYSERVICE, "", problems)
+    assert any("minReplica: not a field" in p for p in problems)
+    assert any("minReplicas: required" in p for p in problems)
+    assert any("'v3' not one of" in p for p in problems)
+
+
+@pytest.mark.parametrize("cluster_file", _kuberay_files(), ids=_ids(_kuberay_files()))
+def test_kuberay_file_uses_only_crd_fields_and_autoscales_from_zero(cluster_file):
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    document = yaml.safe_load(cluster_file.read_text())
+    problems: list[str] = []
+    _check_fields(document, _KUBERAY_RAYSERVICE, "", problems)
+    assert not problems, "\n".join(problems)
+    assert (document["apiVersion"], document["kind"]) == ("ray.io/v1", "RayService")
+
+    # serveConfigV2 is the deploy config itself, and valid for Serve and for our args.
+    config_path = REPO / _option(_render_command(cluster_file), "--config")
+    assert document["spec"]["serveConfigV2"] == config_path.read_text()
+
+    # What the in-tree autoscaler makes of the worker group: Ray's own KubeRay reader.
+    cluster_spec = document["spec"]["rayClusterConfig"]
+    ray_cr = {"metadata": {"name": document["metadata"]["name"], "namespace": "default"}, "spec": cluster_spec}
+    autoscaling = _derive_autoscaling_config_from_ray_cr(ray_cr)  # also runs Ray's validate_config
+    (worker,) = [t for name, t in autoscaling["available_node_types"].items() if name != autoscaling["head_node_type"]]
+    min_workers, max_workers, custom = _expected_worker(cluster_file)
+    assert (worker["min_workers"], worker["max_workers"]) == (min_workers, max_workers)
+    for resource, per_bundle in custom.items():
+        assert worker["resources"].get(resource, 0) >= per_bundle * worker["resources"]["GPU"], (
+            f"{resource} not declared: a pending placement group could never scale this group up"
+        )
+    assert autoscaling["available_node_types"][autoscaling["head_node_type"]]["resources"]["CPU"] == 0
