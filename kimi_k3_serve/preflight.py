@@ -1,0 +1,511 @@
+"""The build-time check of ``kimi_k3_serve.app:build_app``: before Serve creates a replica, prove that the
+cluster ``serve`` is connected to can hold it -- or stop with the reason and the per-GPU report.
+
+Two questions, both answered before any placement group exists (so a refusal leaves nothing behind):
+
+1. Can Ray ever place the replica's placement group? The bundles Ray Serve LLM asks for (``LLMServer.
+   get_deployment_options``: one bundle per TP x PP worker, the replica actor's CPU added to bundle 0, the
+   ``accelerator_type:*`` hint) are bin-packed onto the nodes' *available* resources the way the strategy
+   allows (PACK/SPREAD: bundle by bundle; STRICT_PACK: all on one node; STRICT_SPREAD: one node each), adding
+   nodes of the autoscaler's node types up to their max count when the cluster autoscales. A group that
+   cannot be packed would pend forever; it is refused with the resource that is short.
+2. Does the model fit in memory? On GPUs, the live inventory (NVML on every node, ``live.py``) goes to the
+   planner with the deploy config's layout pinned, and every GPU is checked with the memory model. On CPU
+   (vLLM's mp executor runs every worker on the replica's node) the check is host memory: the checkpoint,
+   ``VLLM_CPU_KVCACHE_SPACE`` per worker and each process's own footprint, against the node's available RAM.
+
+The pure parts (``pack_bundles``, ``cpu_memory_need``) take plain data; Ray is only touched by
+``cluster_snapshot`` and ``check_before_deploy``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from kimi_k3_serve.errors import ConfigError, DoesNotFitError
+from kimi_k3_serve.units import GiB, fmt_gib
+
+EPSILON = 1e-9
+CPU_PROCESS_BYTES = GiB
+"""Host memory of one process of a CPU replica besides weights and KV. Resident sizes measured on a running
+TP2 dev deployment (tiny Llama, vllm-cpu 0.32, torch 2.13): each worker 1.93 GiB of which 1 GiB is its KV
+space, the engine core 0.62 GiB, the replica actor 0.75 GiB; 1 GiB a process covers each of them."""
+DEFAULT_CPU_KV_SPACE_GIB = 4
+"""vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` default (GiB per worker) when the config does not set it."""
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# Ray resources that are bookkeeping, not capacity a new bundle can ask for: the node's own marker and the
+# per-placement-group resources Ray creates for reserved bundles (``GPU_group_<pg id>``, ``CPU_group_0_<pg id>``).
+_IGNORED_PREFIXES = ("node:", "bundle_group_")
+_PG_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]{16,}$")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure: bin-pack placement groups onto nodes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeSlot:
+    """A node as the packer sees it: what Ray can still hand out there."""
+
+    name: str
+    available: dict[str, float]
+    node_type: str | None = None
+
+
+@dataclass(frozen=True)
+class GrowableType:
+    """A node type the autoscaler may still add ``count`` nodes of, each with ``resources``."""
+
+    name: str
+    resources: dict[str, float]
+    count: int
+
+
+@dataclass(frozen=True)
+class PackResult:
+    fits: bool
+    placements: tuple[tuple[tuple[int, str], ...], ...]
+    """Per placement group: (bundle index, node name) pairs."""
+    added: dict[str, int]
+    """Nodes the autoscaler would have to add, per node type."""
+    reason: str | None = None
+    short: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Resource -> (needed by the groups, offered by the cluster incl. what it may add) when one is short."""
+
+
+def _fits(need: Mapping[str, float], have: Mapping[str, float]) -> bool:
+    return all(amount <= have.get(resource, 0.0) + EPSILON for resource, amount in need.items() if amount > 0)
+
+
+def _take(have: dict[str, float], need: Mapping[str, float]) -> None:
+    for resource, amount in need.items():
+        have[resource] = have.get(resource, 0.0) - amount
+
+
+def _sum(bundles: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for resource, amount in bundle.items():
+            total[resource] = total.get(resource, 0.0) + float(amount)
+    return total
+
+
+def _missing(need: Mapping[str, float], have: Mapping[str, float]) -> str:
+    parts = [f"{r} {amount:g} (has {have.get(r, 0.0):g})" for r, amount in sorted(need.items())
+             if amount > have.get(r, 0.0) + EPSILON]
+    return ", ".join(parts)
+
+
+def pack_bundles(
+    groups: Sequence[tuple[Sequence[Mapping[str, float]], str]],
+    nodes: Sequence[NodeSlot],
+    growable: Sequence[GrowableType] = (),
+) -> PackResult:
+    """Place every placement group ``(bundles, strategy)`` on ``nodes`` (available resources), adding nodes of
+    ``growable`` types when nothing present can hold a bundle. First fit, bundles of one group on the nodes it
+    already uses first (what PACK prefers); a group that cannot be placed ends the search with the reason."""
+    free = {node.name: dict(node.available) for node in nodes}
+    order = [node.name for node in nodes]
+    remaining = {g.name: g.count for g in growable}
+    types = {g.name: g for g in growable}
+    added: dict[str, int] = {}
+    placements: list[tuple[tuple[int, str], ...]] = []
+
+    def grow(need: Mapping[str, float]) -> str | None:
+        for g in growable:
+            if remaining[g.name] > 0 and _fits(need, g.resources):
+                remaining[g.name] -= 1
+                added[g.name] = added.get(g.name, 0) + 1
+                name = f"(new {g.name} #{added[g.name]})"
+                free[name] = dict(types[g.name].resources)
+                order.append(name)
+                return name
+        return None
+
+    # Everything the groups ask for against everything the cluster offers (present nodes' available resources
+    # plus every node the autoscaler may add): the resources short in total, when any is.
+    demand = _sum([b for bundles, _ in groups for b in bundles])
+    offered = _sum([dict(node.available) for node in nodes] + [
+        {r: a * g.count for r, a in g.resources.items()} for g in growable])
+    total_short = {r: (a, offered.get(r, 0.0)) for r, a in demand.items() if a > offered.get(r, 0.0) + EPSILON}
+
+    def totals(_: Mapping[str, float]) -> dict[str, tuple[float, float]]:
+        return total_short
+
+    for number, (bundles, strategy) in enumerate(groups):
+        if strategy not in STRATEGIES:
+            raise ConfigError("placement_group_strategy", strategy, f"one of {', '.join(STRATEGIES)}")
+        placed: list[tuple[int, str]] = []
+        if strategy == "STRICT_PACK":
+            need = _sum(bundles)
+            host = next((n for n in order if _fits(need, free[n])), None) or grow(need)
+            if host is None:
+                best = max(order, key=lambda n: sum(min(free[n].get(r, 0), a) / a for r, a in need.items() if a > 0),
+                           default=None)
+                detail = f"; the closest node {best} lacks {_missing(need, free[best])}" if best else ""
+                return PackResult(False, tuple(placements), added,
+                                  f"placement group {number + 1} is STRICT_PACK: one node must hold all "
+                                  f"{len(bundles)} bundles ({_fmt(need)}); no node has that{detail}",
+                                  totals(need))
+            _take(free[host], need)
+            placed = [(i, host) for i in range(len(bundles))]
+        else:
+            used: list[str] = []
+            for index, bundle in enumerate(bundles):
+                if strategy == "STRICT_SPREAD":
+                    candidates = [n for n in order if n not in used]
+                elif strategy == "PACK":
+                    candidates = used + [n for n in order if n not in used]
+                else:  # SPREAD: prefer a node this group does not use yet
+                    candidates = [n for n in order if n not in used] + used
+                host = next((n for n in candidates if _fits(bundle, free[n])), None) or grow(bundle)
+                if host is None:
+                    need = _sum(bundles[index:])
+                    spread = " on a node of its own (STRICT_SPREAD)" if strategy == "STRICT_SPREAD" else ""
+                    after = f" once bundles 0..{index - 1} are placed" if index else ""
+                    return PackResult(False, tuple(placements), added,
+                                      f"placement group {number + 1}: bundle {index} ({_fmt(bundle)}) fits on no "
+                                      f"node{spread}{after}; still to place: {_fmt(need)}", totals(need))
+                _take(free[host], bundle)
+                placed.append((index, host))
+                if host not in used:
+                    used.append(host)
+        placements.append(tuple(placed))
+    return PackResult(True, tuple(placements), added)
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{r}: {a:g}" for r, a in sorted(resources.items()) if a) + "}"
+
+
+def describe_bundles(bundles: Sequence[Mapping[str, float]]) -> str:
+    """``1 x {CPU: 1, GPU: 1} + 15 x {GPU: 1}``: runs of identical bundles, in order."""
+    runs: list[list] = []
+    for bundle in bundles:
+        text = _fmt(bundle)
+        if runs and runs[-1][1] == text:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, text])
+    return " + ".join(f"{n} x {text}" for n, text in runs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure: host memory of a CPU engine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_bytes(source: str) -> int | None:
+    """Bytes of a local checkpoint's weight files (safetensors / bin); None for a hub id or remote source."""
+    path = Path(source)
+    if not path.is_dir():
+        return None
+    files = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()]
+    return sum(p.stat().st_size for p in files) if files else None
+
+
+@dataclass(frozen=True)
+class CpuMemoryNeed:
+    total_bytes: int
+    parts: dict[str, int]
+    unknown: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        text = " + ".join(f"{name} {fmt_gib(b)}" for name, b in self.parts.items())
+        if self.unknown:
+            text += f" (not counted: {', '.join(self.unknown)})"
+        return text
+
+
+def cpu_memory_need(*, workers: int, kv_space_gib: float, weights_bytes: int | None, draft_bytes: int | None,
+                    has_draft: bool) -> CpuMemoryNeed:
+    """Host memory of one CPU replica: every worker holds its share of the weights (the whole checkpoint
+    across the workers) and its KV space; each process (the workers, the engine core, the replica actor) its
+    own footprint."""
+    parts = {
+        "KV space": int(workers * kv_space_gib * GiB),
+        "processes": (workers + 2) * CPU_PROCESS_BYTES,
+    }
+    unknown = []
+    if weights_bytes is None:
+        unknown.append("target weights (not a local folder)")
+    else:
+        parts["weights"] = weights_bytes
+    if has_draft:
+        if draft_bytes is None:
+            unknown.append("draft weights (not a local folder)")
+        else:
+            parts["draft"] = draft_bytes
+    return CpuMemoryNeed(sum(parts.values()), parts, tuple(unknown))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The deploy config as the planner sees it
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def planner_inputs(args: Any):
+    """(model inventory, EngineSettings, Pins) for a validated ``ServeArgs``: the deploy config's own layout,
+    pinned, so the check is of exactly what will run."""
+    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
+    from kimi_k3_serve.commands.render import deploy_pins, engine_settings, model_inventory
+
+    source = args.model.source
+    if source.startswith(CACHE_PREFIX) or source.startswith((".", "/", "~")):
+        source = resolve_source(source, field="args.model.source")
+    model = model_inventory(source, field="args.model.source")
+    if args.speculative is not None and args.speculative.model.startswith((CACHE_PREFIX, ".", "/", "~")):
+        draft_source = resolve_source(args.speculative.model, field="args.speculative.model")
+        args = args.model_copy(update={"speculative": args.speculative.model_copy(update={"model": draft_source})})
+    return model, engine_settings(args), deploy_pins(args, model)
+
+
+def replicas_to_place(args: Any) -> int:
+    """Replicas Serve starts at deploy time; with scale-to-zero, the first request still needs one."""
+    scaling = args.autoscaling
+    initial = scaling.initial_replicas if scaling.initial_replicas is not None else scaling.min_replicas
+    return max(1, initial)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The live cluster
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """What the check reads from the Ray cluster, once."""
+
+    inventory: Any
+    """``cluster.ClusterInventory`` with NVML readings (live.py)."""
+    slots: tuple[NodeSlot, ...]
+    growable: tuple[GrowableType, ...]
+    host_memory: dict[str, int]
+    """Node id -> host memory available now (bytes), for nodes that can run a replica."""
+
+
+def _capacity_resources(resources: Mapping[str, Any]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in resources.items()
+            if not str(k).startswith(_IGNORED_PREFIXES) and not _PG_RESOURCE.search(str(k))}
+
+
+def _read_host_memory() -> dict[str, int]:
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return {"available": int(memory.available), "total": int(memory.total)}
+
+
+def cluster_snapshot(*, with_host_memory: bool = False, timeout_s: float = 60.0) -> ClusterSnapshot:
+    """The connected Ray cluster: live inventory (NVML per GPU node), each node's available resources, the
+    autoscaler's node types with how many more nodes each may add, and (for CPU engines) host memory."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kimi_k3_serve.live import _available_per_node, live_inventory
+
+    inventory = live_inventory(timeout_s=timeout_s)
+    available = _available_per_node()
+    slots = tuple(
+        NodeSlot(node.node_id, _capacity_resources(available.get(node.node_id, node.resources)), node.node_type)
+        for node in inventory.nodes
+        if node.alive
+    )
+    growable = []
+    for capacity in inventory.autoscaling:
+        present = sum(1 for node in inventory.nodes if node.node_type == capacity.name or (
+            node.node_type is None and _capacity_resources(node.resources).items() >= capacity.resources.items()))
+        more = capacity.max_count - present
+        if more > 0:
+            growable.append(GrowableType(capacity.name, _capacity_resources(capacity.resources), more))
+    host_memory: dict[str, int] = {}
+    if with_host_memory:
+        read = ray.remote(num_cpus=0)(_read_host_memory)
+        refs = {
+            slot.name: read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(slot.name, soft=False),
+                                    name="kimi_k3_serve.read_host_memory").remote()
+            for slot in slots
+        }
+        values = ray.get(list(refs.values()), timeout=timeout_s)
+        host_memory = {name: value["available"] for name, value in zip(refs, values)}
+    return ClusterSnapshot(inventory, slots, tuple(growable), host_memory)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    lines: tuple[str, ...]
+    plan: Any | None = None
+    """``planner.Plan`` on GPUs when the memory could be checked; None otherwise."""
+    report: Any | None = None
+    """``report.CheckReport`` of that plan."""
+    seconds: float = 0.0
+
+
+def check_before_deploy(
+    args: Any,
+    bundles: Sequence[Mapping[str, float]],
+    strategy: str = "PACK",
+    *,
+    snapshot: ClusterSnapshot | None = None,
+) -> PreflightResult:
+    """Everything that can be known before Serve creates a replica. Raises ``DoesNotFitError`` (with the
+    per-GPU report when there is one) or ``ConfigError``; returns what was checked, in words, otherwise."""
+    started = time.perf_counter()
+    if snapshot is None:
+        import ray
+
+        if not ray.is_initialized():
+            return PreflightResult(("cluster: not connected to Ray; nothing checked against a cluster",))
+        snapshot = cluster_snapshot(with_host_memory=args.accelerator.kind == "cpu")
+    lines: list[str] = []
+    replicas = replicas_to_place(args)
+    groups = [(list(bundles), strategy)] * replicas
+    packed = pack_bundles(groups, snapshot.slots, snapshot.growable)
+    need = _sum([b for group, _ in groups for b in group])
+    if not packed.fits:
+        short = "; ".join(f"{r}: needs {n:g}, cluster has {h:g} available" for r, (n, h) in packed.short.items())
+        growth = (" counting the nodes the autoscaler may add (" + ", ".join(f"{g.name}: {g.count} more" for g in
+                  snapshot.growable) + ")") if snapshot.growable else " (the cluster does not autoscale)"
+        raise DoesNotFitError(
+            f"{replicas} replica(s) of {args.model.id} would wait forever for their placement group: {packed.reason}"
+            f"{'; ' + short if short else ''}{growth}. Each replica asks for {len(bundles)} bundle(s) with "
+            f"strategy {strategy}: {describe_bundles(bundles)}. Add nodes (or logical CPUs: "
+            "`ray start --num-cpus N`), or lower args.parallel sizes / args.autoscaling.min_replicas.",
+            report={"need": need, "reason": packed.reason, "short": packed.short,
+                    "nodes": [{"node": s.name, "available": s.available} for s in snapshot.slots]},
+        )
+    where = sorted({node for group in packed.placements for _, node in group})
+    added = ", ".join(f"{n} x {t}" for t, n in packed.added.items())
+    lines.append(f"placement: {replicas} replica(s) x {len(bundles)} bundle(s) ({strategy}) can be placed on "
+                 f"{len(where)} node(s)" + (f", after the autoscaler adds {added}" if added else ""))
+    limit = pack_bundles([(list(bundles), strategy)] * args.autoscaling.max_replicas, snapshot.slots, snapshot.growable)
+    if not limit.fits:
+        lines.append(f"warning: args.autoscaling.max_replicas {args.autoscaling.max_replicas} replicas can never all be "
+                     f"placed on this cluster ({limit.reason}); Serve would keep the extra replicas pending")
+
+    if args.accelerator.kind == "cpu":
+        lines.extend(_check_cpu_memory(args, packed, snapshot))
+        return PreflightResult(tuple(lines), seconds=time.perf_counter() - started)
+    plan, report, memory_lines = _check_gpu_memory(args, snapshot, started)
+    lines.extend(memory_lines)
+    return PreflightResult(tuple(lines), plan, report, time.perf_counter() - started)
+
+
+def cpu_need_of_args(args: Any) -> CpuMemoryNeed:
+    """Host memory of one CPU replica of ``args``: checkpoints of local folders, ``VLLM_CPU_KVCACHE_SPACE``
+    per worker (the config's value, else the app's default), and the processes."""
+    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
+
+    def local(source: str, name: str) -> int | None:
+        if source.startswith(CACHE_PREFIX) or source.startswith((".", "/", "~")):
+            return checkpoint_bytes(resolve_source(source, field=name))
+        return checkpoint_bytes(source)
+
+    kv_text = args.runtime_env.env_vars.get("VLLM_CPU_KVCACHE_SPACE")
+    if kv_text is None:
+        from kimi_k3_serve.app import CPU_ENV_DEFAULTS
+
+        kv_text = CPU_ENV_DEFAULTS.get("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_SPACE_GIB))
+    try:
+        kv_space = float(kv_text)
+    except ValueError:
+        raise ConfigError("args.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE", kv_text, "a number of GiB") from None
+    return cpu_memory_need(
+        workers=args.parallel.world_size,
+        kv_space_gib=kv_space,
+        weights_bytes=local(args.model.source, "args.model.source"),
+        draft_bytes=local(args.speculative.model, "args.speculative.model") if args.speculative else None,
+        has_draft=args.speculative is not None,
+    )
+
+
+def _check_cpu_memory(args: Any, packed: PackResult, snapshot: ClusterSnapshot) -> list[str]:
+    """vLLM's mp executor runs every worker of a replica on the replica's node (bundle 0's)."""
+    need = cpu_need_of_args(args)
+    per_node: dict[str, int] = {}
+    for group in packed.placements:
+        host = dict(group)[0]  # bundle 0: where the replica, and so every mp worker, runs
+        per_node[host] = per_node.get(host, 0) + need.total_bytes
+    lines = []
+    for node, bytes_needed in per_node.items():
+        available = snapshot.host_memory.get(node)
+        if available is None:
+            lines.append(f"host memory: node {node} not read (a node the autoscaler would add); one replica needs "
+                         f"{fmt_gib(need.total_bytes)}")
+            continue
+        if bytes_needed > available:
+            raise DoesNotFitError(
+                f"the CPU engine(s) of {args.model.id} need {fmt_gib(bytes_needed)} of host memory on node {node}, "
+                f"which has {fmt_gib(available)} available; one replica: {need.describe()}. Lower "
+                "VLLM_CPU_KVCACHE_SPACE (args.runtime_env.env_vars) or args.parallel sizes.",
+                report={"node": node, "need_bytes": bytes_needed, "available_bytes": available, "parts": need.parts},
+            )
+        lines.append(f"host memory: node {node} needs {fmt_gib(bytes_needed)} ({need.describe()}), "
+                     f"has {fmt_gib(available)} available")
+    lines.append(f"logical CPUs: {args.parallel.world_size} worker bundle(s) + the replica actor fit")
+    return lines
+
+
+def _check_gpu_memory(args: Any, snapshot: ClusterSnapshot, started: float):
+    """Plan the pinned layout on the live GPUs (grown to the autoscaler's max when it autoscales)."""
+    from kimi_k3_serve.planner import NoLayoutFitsError, plan
+
+    inventory = snapshot.inventory
+    unknown = [node.node_id for node in inventory.gpu_nodes if any(g.total_bytes is None for g in node.gpus)]
+    if unknown:
+        return None, None, [f"GPU memory: not checked, {len(unknown)} node(s) advertise GPUs without NVML readings "
+                            f"({', '.join(unknown[:4])}); the replica-start check reads them again"]
+    cluster = inventory.at_capacity() if inventory.autoscaling else inventory
+    if not cluster.gpu_nodes:
+        return None, None, ["GPU memory: no GPU node yet and no autoscaler node type with GPUs to size"]
+    model, engine, pins = planner_inputs(args)
+    try:
+        result = plan(model, engine, cluster, pins)
+    except NoLayoutFitsError as exc:
+        report = report_of_candidate(exc.candidates[0], model.name, cluster, time.perf_counter() - started) \
+            if exc.candidates and exc.candidates[0].report is not None else None
+        message = str(exc)
+        if report is not None:
+            from kimi_k3_serve.report import format_table
+
+            message += "\n" + format_table(report)
+        raise DoesNotFitError(message, report=report) from None
+    report = report_of_plan(result, time.perf_counter() - started)
+    return result, report, [f"GPU memory: {report.verdict}"]
+
+
+def report_of_plan(result: Any, seconds: float, *, notes: Sequence[str] = (), extra: dict | None = None):
+    from kimi_k3_serve.report import build_report
+
+    return build_report(model_name=result.model.name, cluster_source=result.cluster_source, gpu_name=result.gpu_name,
+                        memory=result.report, placements=result.placements, optimisations=result.optimisations,
+                        seconds=seconds, notes=notes,
+                        extra={"engine_kwargs": result.engine_kwargs, "env_vars": result.env_vars,
+                               "placement_group_config": result.placement_group_config,
+                               "last_stage_nodes": result.last_stage_nodes, **(extra or {})})
+
+
+def report_of_candidate(candidate: Any, model_name: str, cluster: Any, seconds: float, *,
+                        notes: Sequence[str] = (), extra: dict | None = None):
+    """The per-GPU report of a layout that was sized but does not fit (the planner's closest candidate)."""
+    from kimi_k3_serve.report import build_report
+
+    return build_report(model_name=model_name, cluster_source=cluster.source, gpu_name=gpu_of_cluster(cluster),
+                        memory=candidate.report, placements=candidate.placements,
+                        optimisations=candidate.optimisations, seconds=seconds, notes=notes, extra=extra)
+
+
+def gpu_of_cluster(cluster: Any) -> str:
+    """The GPU name(s) of a cluster inventory, for the report's title."""
+    names = sorted({g.name for node in cluster.gpu_nodes for g in node.gpus})
+    return "/".join(names) if names else "GPU"
