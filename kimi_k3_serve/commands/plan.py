@@ -66,9 +66,6 @@ def _cluster(args: argparse.Namespace):
 
     if args.cluster and (args.gpu or args.nodes):
         raise ConfigError("--cluster", args.cluster, "either --cluster FILE or --gpu NAME --nodes N, not both")
-    if args.smallest and (args.cluster or args.nodes is not None or not args.gpu):
-        raise ConfigError("--min", [args.gpu, args.nodes, args.cluster],
-                          "--gpu NAME without --nodes or --cluster: --min finds the node count itself")
     if args.cluster:
         inventory = load_cluster_file(args.cluster)
         return inventory if args.as_is else inventory.at_capacity()
@@ -120,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_nodes < 1:
         raise ConfigError("--max-nodes", args.max_nodes, "an integer >= 1")
     if args.smallest:
+        if args.cluster or args.nodes is not None or not args.gpu:
+            raise ConfigError("--min", [args.gpu, args.nodes, args.cluster],
+                              "--gpu NAME without --nodes or --cluster: --min finds the node count itself")
         return _run_smallest(args, model, engine, pins)
     cluster = _cluster(args)
     try:
