@@ -10,6 +10,8 @@ Node types and their max counts come from the autoscaler's cluster config when t
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from kimi_k3_serve.cluster import ClusterInventory, GpuInfo, NodeInfo, NodeTypeCapacity
@@ -17,9 +19,22 @@ from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.hardware import find_gpu_by_device_name
 
 NODE_GROUP_LABELS = ("ray.io/node-group", "ray.io/node_group", "ray.io/node-type")
+RECORDED_READINGS_ENV = "KIMI_K3_SERVE_NVML_READINGS"
+"""Path of a JSON file ``{"<Ray node id>": <take_readings() output>, "default": ...}``. When the node's
+environment sets it, the GPU reading of that node comes from the file instead of NVML: a replay of recorded
+readings on machines whose GPUs NVML cannot see (a local multi-raylet test cluster with fake GPUs)."""
 
 
 def _read_gpus_on_node() -> dict[str, Any]:
+    """This node's GPUs: NVML, or the recorded readings named by ``$KIMI_K3_SERVE_NVML_READINGS``."""
+    recorded = os.environ.get(RECORDED_READINGS_ENV)
+    if recorded:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        with open(recorded, encoding="utf-8") as handle:
+            table = json.load(handle)
+        return table.get(node_id) or table.get("default") or {"unavailable": f"no recorded reading for node {node_id}"}
     from kimi_k3_serve.nvml import take_readings
 
     return take_readings()

@@ -285,6 +285,19 @@ def evaluate(
         len({p.nvlink_domain for p in placements if (p.dp_rank, p.pp_stage) == key}) == 1
         for key in {(p.dp_rank, p.pp_stage) for p in placements}
     )
+    try:
+        report, optimisations = memory_on_devices(model, engine, layout, devices, one_domain=one_domain)
+    except ConfigError as exc:  # a layout vLLM would refuse (e.g. the draft's TP): not a candidate
+        return Candidate(layout, tuple(placements), None, None, f"vLLM would refuse it: {exc}")
+    return Candidate(layout, tuple(placements), report, optimisations)
+
+
+def memory_on_devices(
+    model: ModelInventory, engine: EngineSettings, layout: Layout, devices: list, *, one_domain: bool
+):
+    """(MemoryReport, Optimisations) of ``layout`` on ``devices`` (one ``RankDevice`` per rank, in vLLM's rank
+    order): the kernel optimisations decided for the weakest GPU and the engine's batch defaults, then the
+    memory model. Used by the planner for each candidate and by the replica-start check on the reserved GPUs."""
     capability = min(d.compute_capability for d in devices)
     smallest = min(devices, key=lambda d: d.total_bytes)
     default_tokens, default_seqs = batch_defaults(smallest.total_bytes, smallest.name)
@@ -293,11 +306,7 @@ def evaluate(
     optimisations = decide_optimisations(model, layout, engine, capability, one_domain,
                                          max_num_batched_tokens=tokens, max_num_seqs=seqs,
                                          mega_moe=engine.moe_backend == "deep_gemm_mega_moe")
-    try:
-        report = estimate_memory(model, layout, engine, devices, optimisations=optimisations)
-    except ConfigError as exc:  # a layout vLLM would refuse (e.g. the draft's TP): not a candidate
-        return Candidate(layout, tuple(placements), None, optimisations, f"vLLM would refuse it: {exc}")
-    return Candidate(layout, tuple(placements), report, optimisations)
+    return estimate_memory(model, layout, engine, devices, optimisations=optimisations), optimisations
 
 
 def plan(

@@ -1,0 +1,404 @@
+"""The replica-start check: on the placement group Serve actually reserved, before vLLM loads anything.
+
+Ray Serve LLM 2.60 runs ``callback_config.callback_class.on_before_node_init`` inside the replica after the
+placement group exists and before the model download, the engine config and the workers
+(``VLLMEngine.start``). ``ReplicaPreflight`` is that callback. It
+
+1. reads the placement group's bundle-to-node table (``placement_group_table``);
+2. runs one short probe in every worker bundle (``num_cpus=0``; on GPUs ``num_gpus=0.001``, so Ray hands it
+   the very GPU the bundle reserved, as Ray Serve LLM's own engine-config task does) that returns the bundle's
+   GPU id and its node's GPUs read by NVML (``live._read_gpus_on_node``, the live inventory's reader) or, on
+   CPU, the node's available host memory;
+3. on GPUs: orders the bundles so each TP group stays in one NVLink domain and the last PP stage sits on the
+   node with the most free memory (``placement.bundle_order``), sets ``VLLM_RAY_BUNDLE_INDICES`` for the
+   engine, and checks the memory model again on exactly those GPUs (another process may have taken memory
+   since the build-time check); on CPU: checks host memory of the replica's node;
+4. runs a communication smoke test across the nodes of the PP stages -- a tiny all-reduce and a send/recv
+   from each stage's node to the next, over the backend vLLM will use (NCCL on GPUs, gloo on CPU), with a
+   timeout -- so a broken network shows in seconds, naming the nodes, not as a hang after loading.
+
+Any failure raises, so the replica's constructor fails before a weight is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Sequence
+
+from kimi_k3_serve.errors import DoesNotFitError, KimiK3ServeError
+from kimi_k3_serve.units import fmt_gib
+
+logger = logging.getLogger(__name__)
+
+BUNDLE_INDICES_ENV = "VLLM_RAY_BUNDLE_INDICES"
+PROBE_GPU_FRACTION = 0.001
+"""A probe asks for this much GPU so Ray assigns it the bundle's GPU (as Ray Serve LLM's engine-config task)."""
+DEFAULT_COMM_TIMEOUT_S = 60.0
+COMM_ENV_PREFIXES = ("NCCL_", "GLOO_", "TP_SOCKET_IFNAME", "UCX_")
+"""Environment that shapes how NCCL/gloo pick interfaces: the smoke test runs with the replica's values."""
+
+
+class ReplicaCheckError(KimiK3ServeError):
+    """The reserved nodes cannot run the replica (their network, or a layout the bundles cannot hold)."""
+
+
+@dataclass(frozen=True)
+class BundleProbe:
+    bundle: int
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[str, ...]
+    reading: dict[str, Any] | None
+    host_available_bytes: int
+
+
+@dataclass(frozen=True)
+class ReplicaCheckResult:
+    lines: tuple[str, ...]
+    bundle_indices: tuple[int, ...] | None
+    report: Any | None
+    seconds: float
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Probes (run as Ray tasks inside the placement group)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _probe_bundle(bundle: int, read_gpus: bool) -> dict[str, Any]:
+    import psutil
+    import ray
+
+    from kimi_k3_serve.live import _read_gpus_on_node
+
+    context = ray.get_runtime_context()
+    return {
+        "bundle": bundle,
+        "node_id": context.get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "gpu_ids": [str(i) for i in context.get_accelerator_ids().get("GPU", [])],
+        "reading": _read_gpus_on_node() if read_gpus else None,
+        "host_available_bytes": int(psutil.virtual_memory().available),
+    }
+
+
+def probe_bundles(pg: Any, bundles: Sequence[int], *, gpu: bool, timeout_s: float) -> list[BundleProbe]:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(_probe_bundle)
+    refs = [
+        task.options(
+            num_gpus=PROBE_GPU_FRACTION if gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index,
+                                                                 placement_group_capture_child_tasks=False),
+            name=f"kimi_k3_serve.probe_bundle_{index}",
+        ).remote(index, gpu)
+        for index in bundles
+    ]
+    try:
+        values = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        raise ReplicaCheckError(f"the probes of the placement group's bundles did not finish in {timeout_s:.0f} s") from None
+    return [BundleProbe(v["bundle"], v["node_id"], v["node_ip"], tuple(v["gpu_ids"]), v["reading"],
+                        v["host_available_bytes"]) for v in values]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The communication smoke test
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> tuple[str, int]:
+    import socket
+
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+
+def _comm_participant(init_method: str, rank: int, world: int, backend: str, timeout_s: float) -> dict[str, Any]:
+    """One process of the smoke test: init, all-reduce, send to the next rank / receive from the previous."""
+    import torch
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        value = torch.full((1024,), float(rank + 1), device=device)
+        dist.all_reduce(value)
+        all_reduce_ok = bool(torch.all(value == world * (world + 1) / 2).item())
+        recv_ok = True
+        if rank + 1 < world:
+            dist.send(torch.full((256,), float(rank), device=device), dst=rank + 1)
+        if rank > 0:
+            received = torch.empty((256,), device=device)
+            dist.recv(received, src=rank - 1)
+            recv_ok = bool(torch.all(received == rank - 1).item())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"rank": rank, "all_reduce_ok": all_reduce_ok, "recv_ok": recv_ok, "seconds": time.perf_counter() - started}
+
+
+def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str], *, backend: str, timeout_s: float,
+                    env: Mapping[str, str] | None = None) -> str:
+    """All-reduce and stage-to-stage send/recv between the given bundles' nodes (one process each, in stage
+    order). Returns a line for the log; raises ``ReplicaCheckError`` naming the nodes on failure or timeout."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    started = time.perf_counter()
+    runtime_env = {"env_vars": {k: v for k, v in (env or {}).items() if k.startswith(COMM_ENV_PREFIXES)}}
+    gpu = PROBE_GPU_FRACTION if backend == "nccl" else 0
+
+    def strategy(index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index,
+                                                placement_group_capture_child_tasks=False)
+
+    ip, port = ray.get(ray.remote(num_cpus=0, max_retries=0)(_free_port).options(
+        num_gpus=gpu, scheduling_strategy=strategy(stage_bundles[0])).remote(), timeout=timeout_s)
+    participant = ray.remote(num_cpus=0, max_retries=0)(_comm_participant)
+    world = len(stage_bundles)
+    refs = [
+        participant.options(num_gpus=gpu, scheduling_strategy=strategy(index), runtime_env=runtime_env,
+                            name=f"kimi_k3_serve.comm_rank_{rank}").remote(
+            f"tcp://{ip}:{port}", rank, world, backend, timeout_s)
+        for rank, index in enumerate(stage_bundles)
+    ]
+    path = " -> ".join(nodes)
+    try:
+        results = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        raise ReplicaCheckError(
+            f"{backend} smoke test between the pipeline stages' nodes {path} did not finish in {timeout_s:.0f} s "
+            f"(rendezvous at {ip}:{port}): check that these nodes reach each other "
+            "(NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, firewalls, the IB/EFA fabric)") from None
+    except ray.exceptions.RayTaskError as exc:
+        raise ReplicaCheckError(f"{backend} smoke test between the nodes {path} failed: {exc.cause!r}") from None
+    bad = [r for r in results if not (r["all_reduce_ok"] and r["recv_ok"])]
+    if bad:
+        raise ReplicaCheckError(f"{backend} smoke test between the nodes {path} returned wrong values on rank(s) "
+                                f"{[r['rank'] for r in bad]}")
+    return (f"communication: {backend} all-reduce and stage-to-stage send/recv across {world} nodes ({path}) "
+            f"in {time.perf_counter() - started:.2f} s")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _layout(args: Any):
+    from kimi_k3_serve.layout import Layout
+
+    parallel = args.parallel
+    partition = tuple(parallel.layer_partition) if parallel.layer_partition else None
+    return Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size,
+                  ep=parallel.enable_expert_parallel, dp=parallel.data_parallel_size, layer_partition=partition)
+
+
+def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list[str]]:
+    """Bundle -> ``GpuInfo`` of the GPU Ray gave it, from each node's NVML reading; and why any is missing."""
+    from kimi_k3_serve.nvml import parse_readings
+
+    found: dict[int, Any] = {}
+    missing: list[str] = []
+    for probe in probes:
+        gpus, reason = parse_readings(probe.reading or {"unavailable": "no reading"}, node_domain=f"node:{probe.node_id}")
+        if not gpus:
+            missing.append(f"node {probe.node_id}: {reason}")
+            continue
+        if len(probe.gpu_ids) != 1:
+            missing.append(f"bundle {probe.bundle}: Ray gave the probe GPUs {list(probe.gpu_ids)}, expected one")
+            continue
+        # Ray's GPU ids are the node's device indices (NVML order when the raylet sets no CUDA_VISIBLE_DEVICES).
+        match = next((g for g in gpus if str(g.index) == probe.gpu_ids[0]), None)
+        if match is None:
+            missing.append(f"bundle {probe.bundle}: GPU {probe.gpu_ids[0]} not among NVML's {[g.index for g in gpus]}")
+            continue
+        found[probe.bundle] = match
+    return found, missing
+
+
+def check_replica(args: Any, pg: Any, *, comm_backend: str | None = None,
+                  comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, env: Mapping[str, str] | None = None,
+                  probe_timeout_s: float = 60.0) -> ReplicaCheckResult:
+    """The replica-start check on placement group ``pg`` for the validated ``ServeArgs`` ``args``."""
+    from ray.util.placement_group import placement_group_table
+
+    from kimi_k3_serve.cluster import NodeInfo, rank_device
+    from kimi_k3_serve.placement import PlacementError, bundle_order, ranks_on_nodes, roomiest_node
+    from kimi_k3_serve.planner import memory_on_devices
+    from kimi_k3_serve.preflight import planner_inputs
+
+    started = time.perf_counter()
+    gpu = args.accelerator.kind == "gpu"
+    backend = comm_backend or ("nccl" if gpu else "gloo")
+    table = {int(k): v for k, v in placement_group_table(pg)["bundles_to_node_id"].items()}
+    specs = pg.bundle_specs
+    worker_bundles = [i for i, spec in enumerate(specs) if spec.get("GPU", 0) > 0] if gpu else sorted(table)
+    probes = probe_bundles(pg, worker_bundles, gpu=gpu, timeout_s=probe_timeout_s)
+    lines = [f"placement group: {len(specs)} bundles on {len(set(table.values()))} node(s)"]
+    layout = _layout(args)
+    order: list[int] | None = None
+    report = None
+
+    if gpu:
+        model, engine, _ = planner_inputs(args)
+        by_bundle, missing = _gpus_by_bundle(probes)
+        domains = {probe.node_id: by_bundle[probe.bundle].nvlink_domain for probe in probes if probe.bundle in by_bundle}
+        free_by_node: dict[str, int] = {}
+        for probe in probes:
+            info = by_bundle.get(probe.bundle)
+            if info is not None:
+                free_by_node[probe.node_id] = min(free_by_node.get(probe.node_id, info.free or 0), info.free or 0)
+        try:
+            last = roomiest_node(layout, table, free_by_node, worker_bundles)
+            order = bundle_order(layout, table, domains, last_stage_node=last, gpu_bundles=worker_bundles)
+        except PlacementError as exc:
+            raise ReplicaCheckError(f"the reserved placement group cannot hold {layout.describe()}: {exc}") from None
+        lines.append(f"{BUNDLE_INDICES_ENV}={','.join(map(str, order))} (last stage on node {last})")
+        if missing:
+            lines.append("GPU memory: not checked again -- " + "; ".join(missing[:4]))
+        else:
+            devices = []
+            for bundle in order[: layout.world_size]:
+                node_id = table[bundle]
+                node = NodeInfo(node_id=node_id, address="", resources={}, labels={}, gpus=(by_bundle[bundle],))
+                devices.append(rank_device(node, by_bundle[bundle]))
+            one_domain = all(len({devices[s * layout.tp + t].nvlink_domain for t in range(layout.tp)}) == 1
+                             for s in range(layout.pp * layout.dp))
+            memory, optimisations = memory_on_devices(model, engine, layout, devices, one_domain=one_domain)
+            from kimi_k3_serve.report import build_report, format_table
+
+            nodes = ranks_on_nodes(layout, order, table)
+            placements = [_Placed(rank, nodes[rank], devices[rank].index) for rank in range(layout.world_size)]
+            report = build_report(model_name=model.name, cluster_source="reserved placement group",
+                                  gpu_name=devices[0].name, memory=memory, placements=placements,
+                                  optimisations=optimisations, seconds=time.perf_counter() - started)
+            if not report.fits:
+                raise DoesNotFitError(
+                    f"replica refused before loading {model.name}: the GPUs Serve reserved no longer hold it "
+                    f"(another process may hold memory since the build-time check).\n{format_table(report)}",
+                    report=report)
+            lines.append(f"GPU memory on the reserved GPUs: {report.verdict}")
+        stage_bundles = [order[(dp * layout.pp + s) * layout.tp] for dp in range(1) for s in range(layout.pp)]
+    else:
+        lines.append(_check_cpu_host(args, probes, table))
+        stage_bundles = [min(table)]
+    stage_nodes = [table[b] for b in stage_bundles]
+    distinct: list[int] = []
+    for bundle in stage_bundles:
+        if table[bundle] not in [table[b] for b in distinct]:
+            distinct.append(bundle)
+    if len(distinct) < 2:
+        lines.append(f"communication: the pipeline stages share node {stage_nodes[0]}; no cross-node link to test")
+    else:
+        ips = {p.node_id: p.node_ip for p in probes}
+        names = [f"{table[b]} ({ips.get(table[b], '?')})" for b in distinct]
+        lines.append(comm_smoke_test(pg, distinct, names, backend=backend, timeout_s=comm_timeout_s, env=env))
+    return ReplicaCheckResult(tuple(lines), tuple(order) if order else None, report, time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where a rank runs, in the shape ``report.build_report`` reads (``RankPlacement``'s fields it uses)."""
+
+    rank: int
+    node_id: str
+    gpu_index: int
+
+
+def _check_cpu_host(args: Any, probes: Sequence[BundleProbe], table: Mapping[int, str]) -> str:
+    """vLLM's mp executor runs every CPU worker on the replica's node (bundle 0's)."""
+    from kimi_k3_serve.preflight import cpu_need_of_args
+
+    need = cpu_need_of_args(args)
+    host = table[min(table)]
+    available = next((p.host_available_bytes for p in probes if p.node_id == host), None)
+    if available is None:
+        return f"host memory: node {host} not probed"
+    if need.total_bytes > available:
+        raise DoesNotFitError(
+            f"replica refused before loading {args.model.id}: its CPU engine needs {fmt_gib(need.total_bytes)} of host "
+            f"memory on node {host}, which has {fmt_gib(available)} available now ({need.describe()})",
+            report={"node": host, "need_bytes": need.total_bytes, "available_bytes": available})
+    return f"host memory: node {host} needs {fmt_gib(need.total_bytes)}, has {fmt_gib(available)} available"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Ray Serve LLM hook
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _callback_base():
+    from ray.llm._internal.common.callbacks.base import CallbackBase
+
+    return CallbackBase
+
+
+class ReplicaPreflight(_callback_base()):
+    """``LLMConfig.callback_config.callback_class``: the replica-start check before the engine starts.
+
+    ``callback_kwargs``: ``args`` (the application's ``args`` mapping, validated again here),
+    ``comm_backend`` (default NCCL on GPUs, gloo on CPU) and ``comm_timeout_s``.
+    """
+
+    def __init__(self, llm_config: Any, raise_error_on_callback: bool = True, ctx_kwargs: dict | None = None, *,
+                 args: Mapping[str, Any], comm_backend: str | None = None,
+                 comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, **kwargs: Any) -> None:
+        super().__init__(llm_config, raise_error_on_callback, ctx_kwargs, **kwargs)
+        from kimi_k3_serve.args import load_args
+
+        self.args = load_args(dict(args), source="callback_kwargs.args")
+        self.comm_backend = comm_backend
+        self.comm_timeout_s = comm_timeout_s
+        self.result: ReplicaCheckResult | None = None
+
+    async def on_before_node_init(self) -> None:
+        pg = self.ctx.placement_group
+        if pg is None:
+            raise ReplicaCheckError("no placement group: the replica-start check needs the one Serve reserved")
+        env = dict(((self.ctx.runtime_env or {}).get("env_vars") or {}))
+        result = await asyncio.to_thread(check_replica, self.args, pg, comm_backend=self.comm_backend,
+                                         comm_timeout_s=self.comm_timeout_s, env=env)
+        if result.bundle_indices is not None:
+            value = ",".join(str(i) for i in result.bundle_indices)
+            # The engine core (a subprocess of this replica) reads it from the environment; the runtime_env
+            # carries it to the engine-config task too.
+            os.environ[BUNDLE_INDICES_ENV] = value
+            if self.ctx.runtime_env is not None:
+                self.ctx.runtime_env.setdefault("env_vars", {})[BUNDLE_INDICES_ENV] = value
+        for line in result.lines:
+            logger.info("replica check: %s", line)
+        logger.info("replica check passed in %.2f s", result.seconds)
+        self.result = result
+
+
+def replica_callback_config(args: Any, model_source: str, draft_source: str | None) -> dict[str, Any]:
+    """``LLMConfig.callback_config`` that runs ``ReplicaPreflight`` in every replica, with the application's
+    ``args`` as validated at build time (model folders already resolved, so the replica reads the same ones)."""
+    update: dict[str, Any] = {"model": args.model.model_copy(update={"source": model_source})}
+    if args.speculative is not None and draft_source is not None:
+        update["speculative"] = args.speculative.model_copy(update={"model": draft_source})
+    resolved = args.model_copy(update=update)
+    return {
+        "callback_class": f"{__name__}:{ReplicaPreflight.__name__}",
+        "callback_kwargs": {"args": resolved.model_dump(mode="json")},
+    }
