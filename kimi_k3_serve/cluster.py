@@ -201,7 +201,9 @@ def rank_device(node: NodeInfo, gpu: GpuInfo) -> RankDevice:
 
 def _nvlink_domain(spec: GpuSpec, group: str, node_id: str, ordinal: int, gpus_per_node: int, gpu_index: int) -> str:
     if spec.gpus_per_nvlink_domain <= 1:
-        return f"node:{node_id}:gpu{gpu_index}"  # PCIe cards: every GPU alone
+        # PCIe cards: no NVLink, but vLLM runs TP over PCIe within a host, so the node is their domain
+        # (the same answer the live NVML reader gives: no fabric clique -> the node).
+        return f"node:{node_id}"
     if spec.gpus_per_nvlink_domain > gpus_per_node:
         # Multi-node NVLink (NVL72): the group's nodes fill racks in order, 72 GPUs (18 four-GPU trays) a rack.
         nodes_per_domain = max(1, spec.gpus_per_nvlink_domain // gpus_per_node)
