@@ -61,12 +61,23 @@ def build_app(args: dict[str, Any]):
 
     from ray.serve.llm import build_openai_app
 
-    from kimi_k3_serve.ingress import OpenAiErrorsIngress
+    from kimi_k3_serve.ingress import OpenAiErrorsIngress, load_api_key
+
+    if validated.security.api_key_file:  # fail now, not in the ingress replica; the key is not kept here
+        load_api_key(validated.security.api_key_file, environ={})
 
     return build_openai_app(
         {
             "llm_configs": [llm_config],
-            "ingress_cls_config": {"ingress_cls": OpenAiErrorsIngress},
+            "ingress_cls_config": {
+                "ingress_cls": OpenAiErrorsIngress,
+                # Where the ingress replica finds the API key; never the key itself.
+                "ingress_extra_kwargs": {
+                    "api_key_file": validated.security.api_key_file,
+                    "require_api_key": validated.security.require_api_key,
+                    "max_choices": validated.limits.max_num_seqs,
+                },
+            },
             "ingress_deployment_config": ingress_deployment_config(validated),
         }
     )
@@ -89,7 +100,9 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
         raise
     bundles = tuple(dict(b) for b in options.get("placement_group_bundles") or ())
     checks.append(f"one replica reserves {len(bundles)} bundle(s): {list(bundles)}")
-    checks.extend(_check_cluster_resources(args, bundles))
+    from kimi_k3_serve.preflight import check_before_deploy  # placement, then per-GPU (or host) memory
+
+    checks.extend(check_before_deploy(args, bundles, options.get("placement_group_strategy") or "PACK").lines)
     speculative = llm_config.engine_kwargs.get("speculative_config")
     return PreflightReport(
         model_source=str(llm_config.model_loading_config.model_source),
@@ -129,6 +142,9 @@ def _check_cluster_resources(args: ServeArgs, bundles: tuple[dict[str, float], .
 def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):
     from ray.serve.llm import LLMConfig
 
+    from kimi_k3_serve.health import LLMServer  # check_health that also notices a hung engine
+    from kimi_k3_serve.replica import replica_callback_config  # the check on the GPUs Serve reserved
+
     accelerator_type = args.accelerator.ray_accelerator_type if args.accelerator.kind == "gpu" else None
     return LLMConfig(
         model_loading_config={
@@ -141,6 +157,9 @@ def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):
         engine_kwargs=engine_kwargs(args, draft_source),
         deployment_config=deployment_config(args),
         runtime_env={"env_vars": env_vars(args)},
+        experimental_configs=experimental_configs(args),
+        server_cls=LLMServer,
+        callback_config=replica_callback_config(args, model_source, draft_source),
     )
 
 
@@ -205,6 +224,12 @@ def deployment_config(args: ServeArgs) -> dict[str, Any]:
         "graceful_shutdown_wait_loop_s": deployment.graceful_shutdown_wait_loop_s,
         "graceful_shutdown_timeout_s": deployment.graceful_shutdown_timeout_s,
     }
+
+
+def experimental_configs(args: ServeArgs) -> dict[str, Any]:
+    """Ray Serve LLM's ``experimental_configs``: the stream batching interval when the args set one."""
+    interval = args.deployment.stream_batching_interval_ms
+    return {} if interval is None else {"stream_batching_interval_ms": interval}
 
 
 def ingress_deployment_config(args: ServeArgs) -> dict[str, Any]:

@@ -193,10 +193,66 @@ class DeploymentArgs(Section):
     health_check_timeout_s: float = Field(default=30.0, gt=0, description="Seconds before a health check counts as failed.")
     graceful_shutdown_wait_loop_s: float = Field(default=2.0, gt=0, description="Poll period while draining.")
     graceful_shutdown_timeout_s: float = Field(default=20.0, ge=0, description="Longest wait for requests to drain.")
+    stream_batching_interval_ms: float | None = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "How long the LLM replica gathers streamed chunks before sending them to the ingress as one message "
+            "(Ray Serve LLM's experimental_configs.stream_batching_interval_ms). The first token waits for the "
+            "first send, so this adds up to its value to the time to first token; 0 sends every chunk at once. "
+            "null keeps Ray's default (50), which saves messages at very high token rates (docs/benchmarks.md)."
+        ),
+    )
 
 
 class RuntimeEnvArgs(Section):
     env_vars: dict[str, str] = Field(default_factory=dict, description="Environment of the replica and its vLLM workers.")
+
+    @field_validator("env_vars")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if name in SECRET_ENV_VARS:
+                raise ConfigError(f"args.runtime_env.env_vars.{name}", REDACTED, LITERAL_KEY_REFUSED)
+        return value
+
+
+# A key written into the Serve config would be stored in Serve's checkpoints and shown by `serve status`.
+REDACTED = "<redacted>"
+SECRET_ENV_VARS = frozenset({"KIMI_K3_SERVE_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY"})
+LITERAL_KEY_REFUSED = (
+    "an API key is never accepted in the config in plain text: put it in a file readable on the Ray nodes and set "
+    "args.security.api_key_file, or set $KIMI_K3_SERVE_API_KEY (or $KIMI_K3_SERVE_API_KEY_FILE) in their environment"
+)
+
+
+class SecurityArgs(Section):
+    api_key_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "File holding the API key clients must send as `Authorization: Bearer <key>` (read by the ingress "
+            "replica; must exist on its node). Without it, $KIMI_K3_SERVE_API_KEY_FILE or $KIMI_K3_SERVE_API_KEY "
+            "of the Ray nodes is used when set."
+        ),
+    )
+    require_api_key: bool = Field(
+        default=False, description="Refuse to start the ingress when no API key is found (production)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_literal_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            allowed = ", ".join(cls.model_fields)
+            for key in data:
+                if key in cls.model_fields:
+                    continue
+                # Whatever was written under an unknown key here may be a secret: it is never echoed.
+                looks_secret = any(word in str(key).lower() for word in ("key", "token", "secret", "password"))
+                reason = LITERAL_KEY_REFUSED if looks_secret else "unknown field"
+                raise ConfigError(f"args.security.{key}", REDACTED, f"{reason}; allowed here: {allowed}")
+        return data
 
 
 class ServeArgs(Section):
@@ -214,11 +270,14 @@ class ServeArgs(Section):
         default_factory=dict, description="Further vLLM engine arguments, passed through; not the ones this schema owns."
     )
     runtime_env: RuntimeEnvArgs = Field(default_factory=RuntimeEnvArgs)
+    security: SecurityArgs = Field(default_factory=SecurityArgs, description="API key of the OpenAI routes.")
 
     @field_validator("engine_kwargs")
     @classmethod
     def _reject_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
         for key in value:
+            if key == "api_key":
+                raise ConfigError("args.engine_kwargs.api_key", REDACTED, LITERAL_KEY_REFUSED)
             if key in OWNED_ENGINE_KWARGS:
                 raise ConfigError(
                     f"args.engine_kwargs.{key}", value[key], f"set by this schema: use {OWNED_ENGINE_KWARGS[key]}"
@@ -236,6 +295,19 @@ class ServeArgs(Section):
             )
         if self.accelerator.kind == "cpu":
             _cpu_checks(self, pp)
+        if self.parallel.data_parallel_size != 1:  # else `check` passes a config that build_app refuses
+            raise ConfigError(
+                "args.parallel.data_parallel_size",
+                self.parallel.data_parallel_size,
+                "must be 1: the app serves one engine per replica; scale with args.autoscaling instead",
+            )
+        limits = self.limits
+        if limits.max_num_batched_tokens is not None and limits.max_num_batched_tokens < limits.max_num_seqs:
+            raise ConfigError(
+                "args.limits.max_num_batched_tokens",
+                limits.max_num_batched_tokens,
+                f"must be >= limits.max_num_seqs ({limits.max_num_seqs}): vLLM refuses a step smaller than the batch",
+            )
         if self.target_ongoing_requests > self.max_ongoing_requests:
             raise ConfigError(
                 "args.autoscaling.target_ongoing_requests",

@@ -1,20 +1,43 @@
-"""The OpenAI ingress: Ray Serve LLM's ``OpenAiIngress`` with OpenAI-style errors for unknown models.
+"""The OpenAI ingress: Ray Serve LLM's ``OpenAiIngress`` with OpenAI-style errors for unknown models and an
+optional API key.
 
 Ray Serve LLM 2.60 raises FastAPI's ``HTTPException`` when a request names a model it does not serve. FastAPI
 answers that itself with ``{"detail": ...}`` before Serve LLM's error middleware can turn it into OpenAI's
 ``{"error": {"message", "type", "code"}}``, so OpenAI clients see a body they cannot parse. Raising Serve LLM's
 own ``OpenAIHTTPException`` instead lets that middleware format it like every other error.
+
+The API key (OpenAI's ``Authorization: Bearer <key>``) is read inside the ingress replica, from
+``args.security.api_key_file``, else the file named by ``$KIMI_K3_SERVE_API_KEY_FILE``, else
+``$KIMI_K3_SERVE_API_KEY`` -- never from the Serve config itself, so it is not stored in Serve's checkpoints or
+shown by ``serve status``. Ray Serve LLM has no authentication of its own, so an ASGI middleware is put in
+front of its FastAPI app when the replica wraps it. Serve's own health routes (``/-/healthz``, ``/-/routes``)
+are answered by the proxy and never reach it; ``/health`` stays open as well.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import hashlib
+import hmac
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
 from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
 from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
 from ray.serve.llm.ingress import OpenAiIngress
+from starlette.responses import JSONResponse
+
+from kimi_k3_serve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
+
+API_KEY_ENV = "KIMI_K3_SERVE_API_KEY"
+API_KEY_FILE_ENV = "KIMI_K3_SERVE_API_KEY_FILE"
+OPEN_PATHS = frozenset({"/health", "/-/healthz", "/-/routes"})
 
 
 def _openai_error(exc: HTTPException) -> OpenAIHTTPException:
@@ -25,8 +48,132 @@ def _openai_error(exc: HTTPException) -> OpenAIHTTPException:
     )
 
 
+def _checked_key(text: str, field: str, where: str) -> str:
+    key = text.strip()
+    if not key or any(not ("!" <= ch <= "~") for ch in key):
+        # The value itself is never echoed: it is (or is close to) a secret.
+        raise ConfigError(field, where, "a non-empty key of printable ASCII characters without spaces")
+    return key
+
+
+def load_api_key(api_key_file: str | None, environ: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """``(key, where it came from)``; ``(None, "none")`` when no key is configured. The key is never logged."""
+    environ = os.environ if environ is None else environ
+    for field, path in (("args.security.api_key_file", api_key_file), (f"${API_KEY_FILE_ENV}", environ.get(API_KEY_FILE_ENV))):
+        if path:
+            try:
+                text = Path(path).expanduser().read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = getattr(exc, "strerror", None) or type(exc).__name__
+                raise ConfigError(field, path, f"a readable file holding the API key ({reason})") from None
+            return _checked_key(text, field, f"the contents of {path}"), f"file {path}"
+    if environ.get(API_KEY_ENV) is not None:
+        return _checked_key(environ[API_KEY_ENV], f"${API_KEY_ENV}", "its value"), f"${API_KEY_ENV}"
+    return None, "none"
+
+
+def _digest(key: str | bytes) -> bytes:
+    return hashlib.sha256(key.encode("latin-1") if isinstance(key, str) else key).digest()
+
+
+async def _validation_error(request: Any, exc: RequestValidationError) -> JSONResponse:
+    """A request body that does not validate: 400 in OpenAI's format. Ray Serve LLM's own handler puts the raw
+    input into ``param``; a body that is not JSON (``Content-Type: text/plain``) is bytes there, which cannot be
+    serialised, and the client got a 500. OpenAI's ``param`` is the parameter's name, which is what goes here."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"msg": "Invalid request", "loc": ("body",), "type": "invalid_request_error"}
+    loc = tuple(first.get("loc") or ("body",))
+    param = ".".join(str(part) for part in loc[1:]) or None
+    body = {"error": {"message": f"Invalid request format: {first.get('msg')} at {loc}",
+                      "type": str(first.get("type") or "invalid_request_error"), "param": param,
+                      "code": "invalid_parameter"}}
+    return JSONResponse(status_code=400, content=body)
+
+
+def _unauthorized(message: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    return JSONResponse(status_code=401, content=body, headers={"WWW-Authenticate": "Bearer"})
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (streams and client disconnects pass through untouched): every HTTP route but the health ones
+    needs ``Authorization: Bearer <key>``. Digests are compared in constant time."""
+
+    def __init__(self, app: Any, *, key_digest: bytes) -> None:
+        self.app = app
+        self._digest = key_digest
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS" or self._is_open(scope):
+            await self.app(scope, receive, send)
+            return
+        presented = None
+        for name, value in scope.get("headers") or ():
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer" and token.strip():
+                    presented = token.strip()
+                break
+        if presented is None:
+            response = _unauthorized("Missing API key: send it as the header `Authorization: Bearer <key>`.")
+        elif not hmac.compare_digest(_digest(presented), self._digest):
+            response = _unauthorized("Incorrect API key provided.")
+        else:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})  # policy violation
+            return
+        await response(scope, receive, send)
+
+    @staticmethod
+    def _is_open(scope: dict) -> bool:
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        return path in OPEN_PATHS or path.endswith("/health")
+
+
 class OpenAiErrorsIngress(OpenAiIngress):
-    """``OpenAiIngress`` whose model lookups fail with OpenAI-style error bodies."""
+    """``OpenAiIngress`` whose model lookups fail with OpenAI-style error bodies, with an optional API key and a
+    bound on the choices (``n``) one request may ask for."""
+
+    def __init__(self, *args: Any, api_key_file: str | None = None, require_api_key: bool = False,
+                 max_choices: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._max_choices = max_choices
+        key, where = load_api_key(api_key_file)
+        if key is None and require_api_key:
+            raise ConfigError(
+                "args.security.require_api_key",
+                True,
+                f"no API key found by the ingress replica: set args.security.api_key_file, ${API_KEY_FILE_ENV} or "
+                f"${API_KEY_ENV} in the environment of the Ray nodes",
+            )
+        self._api_key_digest = _digest(key) if key is not None else None
+        logger.info("API key: %s", f"required (from {where})" if key is not None else "not configured, routes open")
+
+    def _set_asgi_app(self, app: Any) -> None:
+        # Serve's ingress wrapper hands the FastAPI app over here, before its lifespan starts: the only point
+        # where a middleware can still be added to an app that Ray Serve LLM builds itself.
+        if self._api_key_digest is not None:
+            app.add_middleware(ApiKeyMiddleware, key_digest=self._api_key_digest)
+        app.add_exception_handler(RequestValidationError, _validation_error)  # replaces Ray Serve LLM's
+        super()._set_asgi_app(app)
+
+    async def _process_llm_request(self, body: Any, call_method: str, raw_request: Any = None) -> Any:
+        # vLLM accepts any n >= 1 and fans one request out into n sequences: n = 100000 would occupy the engine
+        # for hours while every other client waits.
+        n = getattr(body, "n", None)
+        if self._max_choices is not None and isinstance(n, int) and n > self._max_choices:
+            raise OpenAIHTTPException(
+                status_code=400,
+                message=f"n = {n} is more choices than one request may ask for here: at most {self._max_choices} "
+                "(the engine's batch, args.limits.max_num_seqs)",
+                type="BadRequestError",
+            )
+        return await super()._process_llm_request(body, call_method, raw_request)
 
     async def _get_model_id(self, model: Optional[str]) -> str:
         try:
