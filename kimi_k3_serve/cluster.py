@@ -303,8 +303,13 @@ def load_cluster_file(path: str) -> ClusterInventory:
             document = yaml.safe_load(handle)
     except OSError as exc:
         raise ConfigError("cluster", path, f"a readable cluster file ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("cluster", path, f"a UTF-8 text file (byte {exc.start} is not UTF-8)") from None
     except yaml.YAMLError as exc:
-        raise ConfigError("cluster", path, f"valid YAML or JSON ({exc})") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("cluster", path, f"valid YAML or JSON (not{where}: {problem})") from None
     return parse_cluster_document(document, source=path)
 
 
@@ -325,21 +330,48 @@ def parse_cluster_document(document: Any, source: str = "<cluster>") -> ClusterI
         raise
     raise ConfigError(
         "(top level)",
-        sorted(document)[:8],
+        sorted(map(str, document))[:8],
         "a Ray cluster launcher file (available_node_types), a KubeRay RayCluster/RayService (kind), "
         "or a cluster description (nodes: [{count, gpu, gpus}])",
         source=source,
     )
 
 
-def _int(value: Any, field_name: str, source: str, minimum: int = 0) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
+# Bounds that keep a typo (``count: 100000000``) from building millions of nodes in memory.
+MAX_NODES_PER_TYPE = 4096
+MAX_GPUS_PER_NODE = 72
+
+
+def _int(value: Any, field_name: str, source: str, minimum: int = 0, maximum: int | None = MAX_NODES_PER_TYPE) -> int:
+    if isinstance(value, str) and value.strip().isdecimal() and value.strip().isascii():
         value = int(value.strip())
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(field_name, value, f"expected an integer >= {minimum}", source=source)
+    if maximum is not None and value > maximum:
+        raise ConfigError(field_name, value, f"expected an integer between {minimum} and {maximum}", source=source)
     return value
+
+
+def _resource_amounts(resources: dict, field_name: str, source: str) -> dict[str, float]:
+    """The numeric Ray resources of a mapping (numbers or numeric strings); other values are not resources."""
+    amounts: dict[str, float] = {}
+    for key, value in resources.items():
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) or _is_number_text(value)):
+            continue
+        try:
+            amount = float(value)
+        except OverflowError:
+            amount = float("inf")
+        if amount != amount or amount < 0 or amount == float("inf"):
+            raise ConfigError(f"{field_name}.{key}", value, "a finite resource amount >= 0", source=source)
+        amounts[str(key)] = amount
+    return amounts
+
+
+def _is_number_text(value: Any) -> bool:
+    return isinstance(value, str) and value.replace(".", "", 1).isdecimal() and value.isascii()
 
 
 def _mapping(value: Any, field_name: str, source: str) -> dict:
@@ -410,17 +442,20 @@ def _from_simple(document: dict, source: str) -> ClusterInventory:
         if gpu is None:
             raise ConfigError(f"{where}.gpu", None, f"one of {', '.join(gpu_names())}", source=source)
         spec = lookup_gpu(gpu, field=f"{where}.gpu")
-        gpus = _int(group.get("gpus", spec.gpus_per_node), f"{where}.gpus", source, minimum=1)
+        gpus = _int(group.get("gpus", spec.gpus_per_node), f"{where}.gpus", source, minimum=1,
+                    maximum=MAX_GPUS_PER_NODE)
         free = group.get("free_bytes")
         if free is not None:
             values = free if isinstance(free, list) else [free]
             if isinstance(free, list) and len(free) != gpus:
                 raise ConfigError(f"{where}.free_bytes", free, f"one number or a list of {gpus} (one per GPU)",
                                   source=source)
+            values = [_int(value, f"{where}.free_bytes", source, maximum=None) for value in values]
             for value in values:
-                if _int(value, f"{where}.free_bytes", source) > spec.total_bytes:
+                if value > spec.total_bytes:
                     raise ConfigError(f"{where}.free_bytes", value,
                                       f"at most the {spec.name} total of {spec.total_bytes} bytes", source=source)
+            free = values if isinstance(free, list) else values[0]  # numeric strings read as integers
         name = str(group.get("name", f"{spec.name.lower()}-{i}"))
         nodes += _declared_nodes(name, spec.name, gpus, count, free_bytes=free, field_name=f"{where}.gpu")
         if "max_count" in group:
@@ -434,10 +469,10 @@ def _from_launcher(document: dict, source: str) -> ClusterInventory:
     if not types:
         raise ConfigError("available_node_types", types, "at least one node type", source=source)
     head_type = document.get("head_node_type")
-    if head_type is not None and head_type not in types:
+    if head_type is not None and (not isinstance(head_type, str) or head_type not in types):
         raise ConfigError("head_node_type", head_type, f"one of available_node_types: {', '.join(types)}",
                           source=source)
-    global_max = _int(document.get("max_workers", _UNBOUNDED), "max_workers", source)
+    global_max = _int(document.get("max_workers", _UNBOUNDED), "max_workers", source, maximum=None)
     nodes: list[NodeInfo] = []
     autoscaling: list[NodeTypeCapacity] = []
     for name, node_type in types.items():
@@ -452,9 +487,9 @@ def _from_launcher(document: dict, source: str) -> ClusterInventory:
         azure = _mapping(node_config.get("azure_arm_parameters"), f"{where}.node_config.azure_arm_parameters", source)
         if "vmSize" in azure:
             instance_field, instance_name = f"{where}.node_config.azure_arm_parameters.vmSize", azure["vmSize"]
-        instance = lookup_instance(instance_name) if instance_name else None
+        instance = lookup_instance(str(instance_name)) if instance_name else None
         if "GPU" in resources:
-            gpus = _int(resources["GPU"], f"{where}.resources.GPU", source)
+            gpus = _int(resources["GPU"], f"{where}.resources.GPU", source, maximum=MAX_GPUS_PER_NODE)
         else:
             gpus = instance.gpus if instance else 0
         gpu = None
@@ -475,7 +510,7 @@ def _from_launcher(document: dict, source: str) -> ClusterInventory:
                                   source=source)
             max_count = min(max_count, global_max)
         labels = {str(k): str(v) for k, v in _mapping(node_type.get("labels"), f"{where}.labels", source).items()}
-        numeric = {str(k): float(v) for k, v in resources.items() if isinstance(v, (int, float))}
+        numeric = _resource_amounts(resources, f"{where}.resources", source)
         nodes += _declared_nodes(name, gpu, gpus, min_count, resources=numeric, labels=labels, is_head=is_head,
                                  field_name=f"{where}.resources")
         if not is_head and max_count > min_count:
@@ -494,9 +529,10 @@ def _kube_group(group: dict, where: str, source: str) -> tuple[int, str | None, 
         text = str(start["resources"]).strip().strip("'\"")
         try:
             start_resources = json.loads(text.replace("\\\"", "\""))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise ConfigError(f"{where}.rayStartParams.resources", start["resources"], "a JSON object of resources",
                               source=source) from None
+        start_resources = _mapping(start_resources, f"{where}.rayStartParams.resources", source)
     template = _mapping(group.get("template"), f"{where}.template", source)
     pod_spec = _mapping(template.get("spec"), f"{where}.template.spec", source)
     containers = pod_spec.get("containers") or []
@@ -511,20 +547,20 @@ def _kube_group(group: dict, where: str, source: str) -> tuple[int, str | None, 
         gpus, gpu_field = start["num-gpus"], f"{where}.rayStartParams.num-gpus"
     if gpus is None:
         for c, container in enumerate(containers):
-            limits = _mapping(_mapping(container, f"{where}.template.spec.containers[{c}]", source).get("resources"),
-                              f"{where}.template.spec.containers[{c}].resources", source).get("limits") or {}
+            resources = _mapping(_mapping(container, f"{where}.template.spec.containers[{c}]", source).get("resources"),
+                                 f"{where}.template.spec.containers[{c}].resources", source)
+            limits = _mapping(resources.get("limits"), f"{where}.template.spec.containers[{c}].resources.limits", source)
             for key, value in limits.items():
                 if str(key).endswith("gpu"):
                     gpus, gpu_field = value, f"{where}.template.spec.containers[{c}].resources.limits.{key}"
-    gpus = _int(gpus or 0, gpu_field, source)
+    gpus = _int(gpus or 0, gpu_field, source, maximum=MAX_GPUS_PER_NODE)
     labels = {str(k): str(v) for k, v in _mapping(group.get("labels"), f"{where}.labels", source).items()}
     if "labels" in start:  # rayStartParams labels: "k1=v1,k2=v2"
         for item in str(start["labels"]).split(","):
             if "=" in item:
                 key, value = item.split("=", 1)
                 labels[key.strip()] = value.strip()
-    numeric = {str(k): float(v) for k, v in {**resources_raw, **start_resources}.items()
-               if isinstance(v, (int, float)) or str(v).replace(".", "", 1).isdigit()}
+    numeric = _resource_amounts({**resources_raw, **start_resources}, f"{where}.resources", source)
     gpu = None
     if gpus:
         selector = _mapping(pod_spec.get("nodeSelector"), f"{where}.template.spec.nodeSelector", source)
@@ -562,6 +598,9 @@ def _from_kuberay(document: dict, source: str) -> ClusterInventory:
         if max_replicas < min_replicas:
             raise ConfigError(f"{where}.maxReplicas", max_replicas, f"at least minReplicas ({min_replicas})",
                               source=source)
+        if max(replicas, max_replicas) * hosts > MAX_NODES_PER_TYPE:
+            raise ConfigError(f"{where}.numOfHosts", hosts,
+                              f"at most {MAX_NODES_PER_TYPE} pods per group (replicas x numOfHosts)", source=source)
         if group.get("suspend") is True:
             continue
         nodes += _declared_nodes(name, gpu, gpus, replicas * hosts, resources=resources, labels=labels,

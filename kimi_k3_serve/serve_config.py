@@ -44,6 +44,8 @@ def read_serve_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", source, "no such file; expected a Serve config YAML such as deploy/dev.yaml") from None
     except OSError as exc:
         raise ConfigError("config", source, f"cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", source, f"expected a UTF-8 text file (byte {exc.start} is not UTF-8)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -61,7 +63,26 @@ def read_serve_config(path: str | Path) -> dict[str, Any]:
         ServeDeploySchema.model_validate(data)
     except ValidationError as exc:
         raise config_error_from(exc, root="config", source=source) from None
+    _reject_unknown_keys(data, source)
     return data
+
+
+def _reject_unknown_keys(data: dict[str, Any], source: str) -> None:
+    """Serve's schema ignores keys it does not know, so a typo (``http_option:``) would silently drop a setting."""
+    from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema
+
+    sections = [("config", data, ServeDeploySchema)]
+    if isinstance(data.get("http_options"), dict):
+        sections.append(("config.http_options", data["http_options"], HTTPOptionsSchema))
+    for i, app in enumerate(data.get("applications") or []):
+        sections.append((f"config.applications[{i}]", app, ServeApplicationSchema))
+    for where, section, schema in sections:
+        for key in section:
+            if key not in schema.model_fields:
+                raise ConfigError(
+                    f"{where}.{key}", section[key], f"unknown field; allowed here: {', '.join(schema.model_fields)}",
+                    source=source,
+                )
 
 
 def load_serve_app(path: str | Path, *, app_name: str | None = None) -> ServeApp:
