@@ -112,33 +112,6 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
     )
 
 
-def _check_cluster_resources(args: ServeArgs, bundles: tuple[dict[str, float], ...]) -> list[str]:
-    """On a CPU cluster (which does not autoscale here) the first replicas' logical resources must exist now:
-    otherwise Serve waits forever on a placement group that cannot be placed."""
-    import ray
-
-    if not ray.is_initialized():
-        return ["cluster resources: not connected to Ray, not checked"]
-    if args.accelerator.kind != "cpu":
-        return ["cluster resources: GPU clusters may autoscale; checked by the capacity check, not here"]
-    replicas = max(1, args.autoscaling.initial_replicas or args.autoscaling.min_replicas)
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for resource, amount in bundle.items():
-            need[resource] = need.get(resource, 0.0) + amount * replicas
-    have = ray.cluster_resources()
-    short = {r: (n, have.get(r, 0.0)) for r, n in need.items() if n > 0 and have.get(r, 0.0) + 1e-9 < n}
-    if short:
-        detail = ", ".join(f"{r}: needs {n:g}, cluster has {h:g}" for r, (n, h) in short.items())
-        raise DoesNotFitError(
-            f"{replicas} replica(s) of {args.model.id} need more logical resources than the Ray cluster has ({detail}). "
-            "Start Ray with more logical CPUs (e.g. `ray start --head --num-cpus 8`) or lower "
-            "args.parallel sizes / args.autoscaling.min_replicas.",
-            report={"need": need, "have": dict(have)},
-        )
-    return [f"cluster resources: {replicas} replica(s) need {need}; the cluster has them"]
-
-
 def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):
     from ray.serve.llm import LLMConfig
 

@@ -198,7 +198,8 @@ def legal_tp_sizes(model: ModelInventory) -> list[int]:
     return legal
 
 
-def _validate_pins(model: ModelInventory, pins: Pins) -> None:
+def validate_pins(model: ModelInventory, pins: Pins) -> None:
+    """Refuse pins vLLM would refuse for this model, naming the pin and what is allowed."""
     legal = legal_tp_sizes(model)
     if pins.tp is not None and pins.tp not in legal:
         divisors = ", ".join(f"{name}={count}" for name, count in model.tp_divisors) or "none"
@@ -321,7 +322,7 @@ def plan(
     started = time.perf_counter()
     if objective not in OBJECTIVES:
         raise ConfigError("objective", objective, f"one of {', '.join(OBJECTIVES)}")
-    _validate_pins(model, pins)
+    validate_pins(model, pins)
     nodes = _check_cluster(cluster)
     total_gpus = sum(node.free_gpu_count for node in nodes)
     domain_sizes: dict[str, int] = {}

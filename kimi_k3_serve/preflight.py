@@ -262,7 +262,29 @@ def planner_inputs(args: Any):
     if args.speculative is not None and args.speculative.model.startswith((CACHE_PREFIX, ".", "/", "~")):
         draft_source = resolve_source(args.speculative.model, field="args.speculative.model")
         args = args.model_copy(update={"speculative": args.speculative.model_copy(update={"model": draft_source})})
-    return model, engine_settings(args), deploy_pins(args, model)
+    from kimi_k3_serve.planner import validate_pins
+
+    try:  # the planner names its own pins; the user wrote args.parallel.*
+        pins = deploy_pins(args, model)
+        validate_pins(model, pins)
+    except ConfigError as exc:
+        field = PIN_FIELDS.get(exc.field)
+        if field is None:
+            raise
+        raise ConfigError(field, exc.value, exc.allowed, source=exc.source) from None
+    return model, engine_settings(args), pins
+
+
+PIN_FIELDS = {
+    "tp": "args.parallel.tensor_parallel_size",
+    "pp": "args.parallel.pipeline_parallel_size",
+    "layout.pp": "args.parallel.pipeline_parallel_size",
+    "ep": "args.parallel.enable_expert_parallel",
+    "dp": "args.parallel.data_parallel_size",
+    "layer_partition": "args.parallel.layer_partition",
+    "layout.layer_partition": "args.parallel.layer_partition",
+}
+"""Planner pin and layout field -> the args field a deploy config sets it with."""
 
 
 def replicas_to_place(args: Any) -> int:

@@ -238,9 +238,6 @@ CLUSTER_CASES = [
 
 # The planner checks these; it names its own pins (``tp``, ``layout.pp``, ``layer_partition``) rather than
 # the deploy config's fields. The mapping belongs where the check turns args into planner pins (preflight).
-PLANNER_NAMED = {"tp-not-dividing-heads", "tp-not-dividing-heads-6", "pp-larger-than-layers", "partition-wrong-sum"}
-
-
 def _write_config(case: Case, tmp_path: Path) -> Path:
     path = tmp_path / "config.yaml"
     if case.raw_config is not None:
@@ -286,10 +283,7 @@ def assert_clear_bad_input(code: int, out: str, err: str, field: str) -> None:
 
 def _cases():
     for case in CONFIG_CASES + CLUSTER_CASES:
-        marks = []
-        if case.name in PLANNER_NAMED:
-            marks.append(pytest.mark.xfail(strict=True, reason="the error names the planner's pin, not args.parallel.*"))
-        yield pytest.param(case, id=case.name, marks=marks)
+        yield pytest.param(case, id=case.name)
 
 
 @pytest.mark.parametrize("case", list(_cases()))
