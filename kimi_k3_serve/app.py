@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimi_k3_serve.args import ServeArgs, load_args, resolve_source
-from kimi_k3_serve.errors import ConfigError, DoesNotFitError
+from kimi_k3_serve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
