@@ -146,9 +146,11 @@ def deploy_app(ray_head: RayHead) -> Iterator[Callable[[dict[str, Any], str], st
             print(f"could not delete application {name}: {exc}")
 
 
-def http_json(url: str, body: bytes | None = None, *, timeout: float = 60) -> tuple[int, dict[str, Any]]:
+def http_json(
+    url: str, body: bytes | None = None, *, timeout: float = 60, content_type: str = "application/json"
+) -> tuple[int, dict[str, Any]]:
     """POST ``body`` (or GET) and return (status, parsed JSON), including for 4xx/5xx answers."""
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": content_type})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read() or b"{}")

@@ -43,16 +43,7 @@ def _serves_normally(client: openai.OpenAI) -> None:
 
 
 def _post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": content_type})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        payload = exc.read()
-        try:
-            return exc.code, json.loads(payload or b"{}")
-        except ValueError:
-            return exc.code, {"raw": payload.decode(errors="replace")}
+    return http_json(url, body, timeout=120, content_type=content_type)
 
 
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 400  # well over 1024 tokens
