@@ -252,11 +252,18 @@ def plot(report: CheckReport, path: str, *, title: str | None = None) -> str:
     stage_edges = [i for i in range(1, n) if rows[i].pp_stage != rows[i - 1].pp_stage]
     for edge in stage_edges:
         ax.axvline(edge - 0.5, color="#444444", linewidth=0.8)
-    tick = [f"{row.node}\nGPU {row.gpu_index}" if row.gpu_index is not None else f"rank {row.rank}" for row in rows]
+    tick = [f"GPU {row.gpu_index}" if row.gpu_index is not None else f"rank {row.rank}" for row in rows]
     step = max(1, n // 32)
     ax.set_xticks(xs[::step])
     ax.set_xticklabels([f"r{row.rank} s{row.pp_stage}\n{t}" for row, t in zip(rows[::step], tick[::step])],
-                       fontsize=7 if n > 8 else 8)
+                       fontsize=7 if n > 16 else 8)
+    # Node names once per run of bars on the same node (long names would overlap as per-bar ticks).
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or rows[i].node != rows[start].node:
+            ax.annotate(str(rows[start].node), xy=((start + i - 1) / 2, 0), xycoords=("data", "axes fraction"),
+                        xytext=(0, -30), textcoords="offset points", ha="center", va="top", fontsize=8)
+            start = i
     ax.set_ylabel("GiB (2^30 bytes)")
     ax.set_xlim(-0.6, n - 0.4)
     top = max(max(row.sizes["total_bytes"] for row in rows) / GiB, max(bottoms),
