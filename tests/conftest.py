@@ -26,15 +26,17 @@ RAY_LOGICAL_CPUS = 8
 APP_READY_TIMEOUT_S = 600
 
 
-def _load_tiny_model_maker():
-    spec = importlib.util.spec_from_file_location("make_tiny_models", REPO_ROOT / "scripts" / "make_tiny_models.py")
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package). Registered in ``sys.modules`` first:
+    dataclasses look their module up while a class is made."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["make_tiny_models"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-make_tiny_models = _load_tiny_model_maker()
+make_tiny_models = load_script("make_tiny_models")
 
 
 def free_port() -> int:

@@ -6,22 +6,15 @@ No timing is asserted (the machine is shared); only that the rows are there and 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def bench_planner():
-    spec = importlib.util.spec_from_file_location("bench_planner", REPO_ROOT / "scripts" / "bench_planner.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_planner"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_planner")
 
 
 def test_planner_scaling_rows(bench_planner):
@@ -61,11 +54,7 @@ def test_import_costs_of_the_planner(bench_planner):
 
 @pytest.fixture(scope="module")
 def bench_serving():
-    spec = importlib.util.spec_from_file_location("bench_serving", REPO_ROOT / "scripts" / "bench_serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_serving")
 
 
 def test_serving_sides_build_valid_args(bench_serving):

@@ -10,11 +10,9 @@ The first two tests share one single-node Ray head; the raylet test builds a thr
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -26,7 +24,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import REPO_ROOT, RAY_LOGICAL_CPUS, free_port, wait_for_app
+from conftest import REPO_ROOT, RAY_LOGICAL_CPUS, free_port, load_script, wait_for_app
 from kimi_k3_serve.health import hang_detection_bound_s
 from kimi_k3_serve.serve_config import load_serve_app
 
@@ -39,15 +37,7 @@ STREAM_END_BOUND_S = 120.0
 RECOVERY_BOUND_S = 600.0
 
 
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("kk3_soak", REPO_ROOT / "scripts" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-replica_processes = _soak_module().replica_processes
+replica_processes = load_script("soak").replica_processes
 
 
 def _args(**overrides: dict) -> dict:
