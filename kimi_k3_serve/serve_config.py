@@ -1,6 +1,7 @@
 """Read a Serve config file (``deploy/*.yaml``) and return our application's validated ``args``.
 
-The file is checked against Ray Serve's own schema (``ServeDeploySchema``), then the application whose
+The file is checked against Ray Serve's own schema (``ServeDeploySchema``; for the common shape of a deploy file,
+without importing Ray, see ``kimi_k3_serve.serve_schema``), then the application whose
 ``import_path`` is ``kimi_k3_serve.app:build_app`` is picked and its ``args`` validated by ``kimi_k3_serve.args``.
 Every problem (missing file, bad YAML, wrong import path, bad args) is one ``ConfigError`` naming the field.
 """
@@ -32,10 +33,18 @@ class ServeApp:
     """The ``args`` mapping as written, which is what Serve passes to ``build_app``."""
     http_host: str
     http_port: int
+    serve_schema: str = ""
+    """What accepted the file: ``ray`` (``ServeDeploySchema``) or ``snapshot`` (``kimi_k3_serve.serve_schema``)."""
 
 
 def read_serve_config(path: str | Path) -> dict[str, Any]:
     """The file's YAML as a mapping, checked against Ray Serve's ``ServeDeploySchema``."""
+    data, _ = _read_and_validate(path)
+    return data
+
+
+def _read_and_validate(path: str | Path) -> tuple[dict[str, Any], str]:
+    """The file's YAML mapping and what accepted it (``snapshot`` or ``ray``)."""
     file = Path(path)
     source = str(file)
     try:
@@ -56,6 +65,11 @@ def read_serve_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config", type(data).__name__, "expected a mapping with `applications`", source=source)
 
+    from kimi_k3_serve.serve_schema import accepts_without_ray
+
+    if accepts_without_ray(data):
+        return data, "snapshot"
+
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
@@ -64,7 +78,7 @@ def read_serve_config(path: str | Path) -> dict[str, Any]:
     except ValidationError as exc:
         raise config_error_from(exc, root="config", source=source) from None
     _reject_unknown_keys(data, source)
-    return data
+    return data, "ray"
 
 
 def _reject_unknown_keys(data: dict[str, Any], source: str) -> None:
@@ -91,7 +105,7 @@ def load_serve_app(path: str | Path, *, app_name: str | None = None) -> ServeApp
     With ``app_name``, that application (which must point at ``kimi_k3_serve.app:build_app``); otherwise the one
     application that does.
     """
-    data = read_serve_config(path)
+    data, accepted_by = _read_and_validate(path)
     source = str(path)
     applications = data.get("applications") or []
     ours = [(i, app) for i, app in enumerate(applications) if app.get("import_path") == APP_IMPORT_PATH]
@@ -131,4 +145,5 @@ def load_serve_app(path: str | Path, *, app_name: str | None = None) -> ServeApp
         raw_args=dict(raw_args),
         http_host=str(http.get("host", "127.0.0.1")),
         http_port=int(http.get("port", 8000)),
+        serve_schema=accepted_by,
     )

@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
 
     app = load_serve_app(args.config, app_name=args.app)
     serve_args = app.args
+    accepted = (f"serve config: {args.config} is valid for Ray Serve's ServeDeploySchema"
+                + (" (checked against its snapshot, without importing Ray)" if app.serve_schema == "snapshot" else ""))
     if args.cluster:
         snapshot = declared_snapshot(load_cluster_file(args.cluster))
     else:
@@ -164,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
         if serve_args.accelerator.kind == "gpu":
             other, alternative = _alternatives(serve_args, snapshot.inventory, started)
             report = report or other
-        return _emit(args, fits=False, lines=[f"does not fit: {message}"] + ([alternative] if alternative else []),
+        return _emit(args, fits=False, lines=[accepted, f"does not fit: {message}"] + ([alternative] if alternative else []),
                      report=report, started=started, source=snapshot.inventory.source)
-    return _emit(args, fits=True, lines=list(result.lines), report=result.report, started=started,
+    return _emit(args, fits=True, lines=[accepted, *result.lines], report=result.report, started=started,
                  source=snapshot.inventory.source)
 
 
