@@ -115,7 +115,7 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
 def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):
     from ray.serve.llm import LLMConfig
 
-    from kimi_k3_serve.health import LLMServer  # check_health that also notices a hung engine
+    from kimi_k3_serve.server import LLMServer  # hang-aware health check, first token never batched
     from kimi_k3_serve.replica import replica_callback_config  # the check on the GPUs Serve reserved
 
     accelerator_type = args.accelerator.ray_accelerator_type if args.accelerator.kind == "gpu" else None

@@ -16,13 +16,8 @@ row, so a hang is acted on within about ``3 x (health_check_period_s + health_ch
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any
-
-from ray.serve.llm import LLMServer as _ServeLLMServer
-
-logger = logging.getLogger(__name__)
 
 PROBE_SHARE_OF_HEALTH_TIMEOUT = 0.5
 DEFAULT_HEALTH_CHECK_TIMEOUT_S = 30.0  # Ray Serve's default
@@ -55,19 +50,3 @@ async def probe_engine(engine_client: Any, timeout_s: float) -> float:
             "(a stopped EngineCore or worker process, or a stuck collective); the replica will be restarted"
         ) from None
     return time.perf_counter() - start
-
-
-class LLMServer(_ServeLLMServer):
-    """Ray Serve LLM's ``LLMServer`` with a progress-aware ``check_health``. It keeps the class name, so the
-    deployment keeps Ray Serve LLM's name ``LLMServer:<model id>``."""
-
-    async def check_health(self) -> None:
-        await super().check_health()  # a dead engine: vLLM's own errored flag
-        engine_client = getattr(self.engine, "_engine_client", None)
-        if engine_client is None:  # still starting
-            return
-        try:
-            await probe_engine(engine_client, probe_timeout_s(self._llm_config.deployment_config))
-        except EngineNotProgressingError as exc:
-            logger.error("health check failed: %s", exc)
-            raise

@@ -1,0 +1,35 @@
+"""The LLM replica: Ray Serve LLM's ``LLMServer`` with a health check that notices a hung engine
+(``kimi_k3_serve.health``) and stream batching that never delays the first token (``kimi_k3_serve.streaming``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncGenerator, List, TypeVar
+
+from ray.serve.llm import LLMServer as _ServeLLMServer
+
+from kimi_k3_serve.health import EngineNotProgressingError, probe_engine, probe_timeout_s
+from kimi_k3_serve.streaming import FirstChunkNowBatcher
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LLMServer(_ServeLLMServer):
+    """Keeps Ray Serve LLM's class name, so the deployment keeps its name ``LLMServer:<model id>``."""
+
+    async def check_health(self) -> None:
+        await super().check_health()  # a dead engine: vLLM's own errored flag
+        engine_client = getattr(self.engine, "_engine_client", None)
+        if engine_client is None:  # still starting
+            return
+        try:
+            await probe_engine(engine_client, probe_timeout_s(self._llm_config.deployment_config))
+        except EngineNotProgressingError as exc:
+            logger.error("health check failed: %s", exc)
+            raise
+
+    def _batch_output_stream(self, generator: AsyncGenerator[T, None]) -> AsyncGenerator[List[T], None]:
+        return FirstChunkNowBatcher(generator, interval_ms=self._get_batch_interval_ms()).stream()
