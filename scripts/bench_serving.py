@@ -3,26 +3,32 @@
 own serving benchmark client (``vllm bench serve``).
 
     python scripts/bench_serving.py                                  # deploy/dev.yaml, concurrency 1 8 32, 2 rounds
-    python scripts/bench_serving.py --sides vllm serve serve@50 --rounds 1 --concurrency 8 --out bench-out
+    python scripts/bench_serving.py --sides vllm serve serve@0 --rounds 1 --concurrency 8 --out bench-out
+    python scripts/bench_serving.py --isolated --tensor-parallel-size 1  # one side up at a time; TP 1 everywhere
 
-Sides (all on loopback, all started before the first measurement and kept up until the last):
+Sides (all on loopback; all up together for the whole run, or with ``--isolated`` one at a time, each started
+afresh every round):
 - ``vllm``: bare vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, the code behind
   ``vllm serve``) with exactly the engine arguments our builder gives Ray Serve LLM;
 - ``serve``: our dev deployment, ``kimi_k3_serve.app:build_app(args)`` under Serve on a local Ray head of its own;
-- ``serve@MS``: the same with ``args.deployment.stream_batching_interval_ms: MS`` (e.g. ``serve@50``, Ray Serve
-  LLM's own default), to compare settings in one run.
+- ``serve@MS``: the same with ``args.deployment.stream_batching_interval_ms: MS`` (e.g. ``serve@0``, every chunk
+  sent alone), to compare settings in one run.
 Ray Serve LLM's direct-streaming mode is not a side: it needs HAProxy, which binds the replicas' HTTP ports on
 every interface, and it refuses our ingress (docs/benchmarks.md says more).
 
 Equal footing: bare vLLM gets ``OMP_NUM_THREADS=1``, which Ray gives every worker it starts, and the Ray heads
 run their workers at nice 0 (Ray's default is 15), like bare vLLM.
 
-Every measurement is one run of vLLM's benchmark client (random prompts of a fixed length, a fixed number of
-output tokens with ``ignore_eos``, streaming chat completions). Rounds alternate the sides (the order rotates
+Every side gets one unmeasured warm-up run first. Every measurement is one run of vLLM's benchmark client
+(random prompts of a fixed length, a fixed number of output tokens with ``ignore_eos``, streaming chat
+completions). Rounds alternate the sides (the order rotates
 each round), so that the load other processes put on the machine falls on every side alike. Per side and
 concurrency the median over rounds is reported, and every metric as a ratio to ``vllm``. ``--ttft-probe N``
 adds a paired time-to-first-token probe (one request at a time, the sides taking turns), which holds up better
 on a busy machine than medians of separate runs.
+
+Where the time goes: around every run the CPU time of each of the side's processes is read from ``/proc`` and
+reported per request, by component (proxy, ingress replica, LLM replica, API server, engine, controller, other).
 """
 
 from __future__ import annotations
@@ -95,14 +101,19 @@ class Engine:
     raw_args: dict[str, Any]
 
 
-def engine_from_config(config: Path) -> Engine:
-    """The deploy config's engine, as our builder hands it to Ray Serve LLM."""
+def engine_from_config(config: Path, tensor_parallel_size: int | None = None) -> Engine:
+    """The deploy config's engine, as our builder hands it to Ray Serve LLM; ``tensor_parallel_size`` replaces
+    the config's ``args.parallel.tensor_parallel_size`` (for every side alike)."""
     from kimi_k3_serve import app
-    from kimi_k3_serve.args import resolve_source
+    from kimi_k3_serve.args import load_args, resolve_source
     from kimi_k3_serve.serve_config import load_serve_app
 
     declared = load_serve_app(config)
-    args = declared.args
+    raw_args = declared.raw_args
+    if tensor_parallel_size is not None:
+        parallel = dict(raw_args.get("parallel") or {}, tensor_parallel_size=tensor_parallel_size)
+        raw_args = {**raw_args, "parallel": parallel}
+    args = load_args(raw_args, source=f"{config} with tensor_parallel_size {tensor_parallel_size}")
     model_source = resolve_source(args.model.source, field="args.model.source")
     draft_source = resolve_source(args.speculative.model, field="args.speculative.model") if args.speculative else None
     return Engine(
@@ -110,7 +121,7 @@ def engine_from_config(config: Path) -> Engine:
         model_source=model_source,
         engine_kwargs=app.engine_kwargs(args, draft_source),
         env=app.env_vars(args),
-        raw_args=declared.raw_args,
+        raw_args=raw_args,
     )
 
 
@@ -157,7 +168,7 @@ def side_args(raw_args: dict[str, Any], side: str) -> dict[str, Any]:
     return {**raw_args, "deployment": deployment}
 
 
-def serve_child(side: str, config: Path, port: int, temp_dir: str) -> int:
+def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parallel_size: int | None) -> int:
     """Run one Serve side until SIGTERM: own Ray head (own temp dir, fresh ports), Serve on 127.0.0.1:port."""
     import ray
     from ray import serve
@@ -174,7 +185,7 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         from kimi_k3_serve.app import build_app
 
-        application = build_app(side_args(engine_from_config(config).raw_args, side))
+        application = build_app(side_args(engine_from_config(config, tensor_parallel_size).raw_args, side))
         serve.run(application, name=APP_NAME, route_prefix="/")
         print("SIDE READY", flush=True)
         while not stop["now"]:
@@ -207,9 +218,10 @@ class RunningSide:
         return f"http://127.0.0.1:{self.port}"
 
 
-def start_side(name: str, engine: Engine, config: Path, out: Path) -> RunningSide:
+def start_side(name: str, engine: Engine, config: Path, out: Path, suffix: str = "",
+               tensor_parallel_size: int | None = None) -> RunningSide:
     port = free_port()
-    log = out / f"server-{name}.log"
+    log = out / f"server-{name}{suffix}.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(engine.env)  # the CPU knobs of our builder, for bare vLLM as well
     temp_dir = None
@@ -228,6 +240,8 @@ def start_side(name: str, engine: Engine, config: Path, out: Path) -> RunningSid
         env.setdefault("RAY_worker_niceness", "0")
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve-child", name, "--config", str(config),
                 "--port", str(port), "--temp-dir", temp_dir]
+        if tensor_parallel_size is not None:
+            argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     handle = open(log, "w")
     process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                start_new_session=True)
@@ -304,6 +318,54 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Where the CPU goes: per-process CPU time of one side, read from /proc around every client run
+# ---------------------------------------------------------------------------------------------------------------
+
+COMPONENTS = ("proxy", "ingress", "llm replica", "api server", "engine", "serve controller", "other")
+"""What one side's processes are, by their process titles: Serve's HTTP proxy, the OpenAI ingress replica, the
+LLM replica (vLLM's AsyncLLM front end: chat template, tokenizer, detokenizer), bare vLLM's API server (the same
+front end plus HTTP), the engine (EngineCore and its workers, alike on every side), Serve's controller, and
+everything else the side started ("other": on a Serve side the rest of its Ray head -- GCS, raylet, agents,
+idle workers, the driver; on bare vLLM, multiprocessing's resource tracker)."""
+
+
+def component_of(title: str) -> str:
+    if title.startswith("VLLM::"):
+        return "engine"
+    if "ProxyActor" in title:
+        return "proxy"
+    if title.startswith("ray::ServeReplica") and "LLMServer" in title:
+        return "llm replica"
+    if title.startswith("ray::ServeReplica"):
+        return "ingress"
+    if title.startswith("ray::ServeController"):
+        return "serve controller"
+    if "vllm.entrypoints.openai.api_server" in title:
+        return "api server"
+    return "other"
+
+
+def cpu_seconds_by_component(session_id: int) -> dict[str, float]:
+    """CPU time (user + system) so far of every live process in the side's session (each side is started with
+    a session of its own), summed by component. Processes that exit between two readings are not counted."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals = dict.fromkeys(COMPONENTS, 0.0)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is fields[0]
+        if int(fields[3]) != session_id:  # fields[3] is the session id
+            continue
+        totals[component_of(title)] += (int(fields[11]) + int(fields[12])) / ticks
+    return totals
+
+
 @dataclass(frozen=True)
 class Workload:
     input_len: int
@@ -332,13 +394,17 @@ def run_client(side: RunningSide, engine: Engine, workload: Workload, concurrenc
         "--disable-tqdm", "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
         "--label", side.name,
     ]
+    cpu_before = cpu_seconds_by_component(side.process.pid)
     started = time.monotonic()
     done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True)
+    cpu_after = cpu_seconds_by_component(side.process.pid)
     (result_dir / (name.removesuffix(".json") + ".log")).write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark client failed on {side.name} (exit {done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads((result_dir / name).read_text())
     result["_wall_s"] = time.monotonic() - started
+    result["_cpu_s"] = {name: round(cpu_after[name] - cpu_before[name], 3) for name in COMPONENTS}
+    (result_dir / name).write_text(json.dumps(result))  # with our additions, for --from-results
     return result
 
 
@@ -423,6 +489,12 @@ def summarise(cells: dict[tuple[str, int], Cell], sides: list[str], concurrencie
                     row[key + "_ratio"] = row[key] / reference if reference >= MIN_RATIO_REFERENCE else None
             if base is not None and base.runs:
                 row["ttft_p50_overhead_ms"] = row["median_ttft_ms"] - base.median("median_ttft_ms")
+            runs_with_cpu = [r for r in cell.runs if "_cpu_s" in r and r.get("completed")]
+            if runs_with_cpu:
+                row["cpu_ms_per_request"] = {
+                    name: statistics.median(1000 * r["_cpu_s"][name] / r["completed"] for r in runs_with_cpu)
+                    for name in COMPONENTS
+                }
             rows.append(row)
     return rows
 
@@ -440,6 +512,21 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         overhead = row.get("ttft_p50_overhead_ms")
         shown = "-" if row["side"] == "vllm" or overhead is None else f"{overhead:+.1f} ms"
         lines.append(f"| {row['concurrency']} | {row['side']} | " + " | ".join(cells) + f" | {shown} |")
+    return "\n".join(lines)
+
+
+def cpu_table(rows: list[dict[str, Any]]) -> str:
+    """CPU milliseconds per request by component (median over rounds); components no side has are left out."""
+    shown = [name for name in COMPONENTS if any(row.get("cpu_ms_per_request", {}).get(name, 0) >= 0.05 for row in rows)]
+    lines = ["| concurrency | side | " + " | ".join(shown) + " | all but the engine | total |",
+             "|---:|---|" + "---:|" * (len(shown) + 2)]
+    for row in rows:
+        cpu = row.get("cpu_ms_per_request")
+        if not cpu:
+            continue
+        serving = sum(value for name, value in cpu.items() if name != "engine")
+        lines.append(f"| {row['concurrency']} | {row['side']} | " + " | ".join(f"{cpu[name]:.1f}" for name in shown)
+                     + f" | {serving:.1f} | {sum(cpu.values()):.1f} |")
     return "\n".join(lines)
 
 
@@ -490,6 +577,7 @@ def resummarise(folder: Path, plot_path: Path | None) -> int:
     rows = summarise(cells, sides, concurrencies)
     (folder / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(markdown_table(rows))
+    print("\nCPU ms per request, by component:\n" + cpu_table(rows))
     if plot_path:
         workload = meta.get("workload", {})
         plot(rows, plot_path, f"tiny Llama + EAGLE3, TP2 on CPU, {workload.get('input_len')} in / "
@@ -520,6 +608,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="folder for vLLM's result JSONs, server logs and summary.json")
     parser.add_argument("--plot", type=Path, help="write the PNG plot here")
+    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                        help="replace the config's args.parallel.tensor_parallel_size on every side")
+    parser.add_argument("--isolated", action="store_true",
+                        help="only one side up at a time: each round starts a side, runs every concurrency, stops it "
+                             "(an idle Ray head takes CPU from whatever else runs on a small machine)")
     parser.add_argument("--ttft-probe", type=int, default=0, metavar="N",
                         help="after the rounds: N iterations of one short request per side in turn (paired TTFT)")
     parser.add_argument("--from-results", type=Path,
@@ -530,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.serve_child:
-        return serve_child(args.serve_child, args.config, args.port, args.temp_dir)
+        return serve_child(args.serve_child, args.config, args.port, args.temp_dir, args.tensor_parallel_size)
     try:
         for side in args.sides:
             parse_side(side)
@@ -538,12 +631,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if len(set(args.sides)) != len(args.sides):
         parser.error("--sides: each side once")
+    if args.isolated and args.ttft_probe:
+        parser.error("--ttft-probe pairs sides that are up together; it cannot run with --isolated")
 
     if args.from_results:
         return resummarise(args.from_results, args.plot)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-serving-"))
     out.mkdir(parents=True, exist_ok=True)
-    engine = engine_from_config(args.config)
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size: at least 1")
+    engine = engine_from_config(args.config, args.tensor_parallel_size)
     workload = Workload(args.input_len, args.output_len, args.prompts_per_concurrency, args.min_prompts,
                         args.backend, args.seed)
     if args.input_len + args.output_len > int(engine.engine_kwargs.get("max_model_len", 10**9)):
@@ -551,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "config": str(args.config), "engine_kwargs": engine.engine_kwargs, "env": engine.env,
         "workload": workload.__dict__, "sides": args.sides, "concurrency": args.concurrency, "rounds": args.rounds,
+        "tensor_parallel_size": engine.engine_kwargs.get("tensor_parallel_size"),
         "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": load_loads(),
         "loads": [],
     }
@@ -558,27 +656,52 @@ def main(argv: list[str] | None = None) -> int:
     running: list[RunningSide] = []
     cells: dict[tuple[str, int], Cell] = {}
     started = time.monotonic()
+
+    def measure(side: RunningSide, round_index: int, concurrency: int) -> None:
+        name = f"{side.name}-c{concurrency}-r{round_index}.json"
+        result = run_client(side, engine, workload, concurrency, out, name)
+        cells.setdefault((side.name, concurrency), Cell(side.name, concurrency)).runs.append(result)
+        load = load_loads()
+        meta["loads"].append({"run": name, "load": load})
+        print(f"round {round_index} c={concurrency:<3} {side.name:<13} "
+              f"{result['output_throughput']:8.1f} tok/s  TTFT p50 {result['median_ttft_ms']:7.1f} ms  "
+              f"p99 {result['p99_ttft_ms']:7.1f}  ITL p50 {result['median_itl_ms']:6.1f} ms  "
+              f"p99 {result['p99_itl_ms']:6.1f}  failed {result.get('failed', 0)}  "
+              f"({result['_wall_s']:.0f} s, load {load})", flush=True)
+
+    def warm_up(side: RunningSide, label: str) -> None:
+        # The first requests of a fresh engine meet cold kernels and allocator pools; one unmeasured run at the
+        # highest concurrency keeps that out of whichever measurement comes first.
+        run_client(side, engine, workload, max(args.concurrency), out, f"{side.name}-warmup{label}.json")
+
+    meta["isolated"] = args.isolated
+    meta["ready_s"] = {}
     try:
-        for name in args.sides:  # one at a time: starting engines in parallel on a small machine only slows all
-            side = start_side(name, engine, args.config, out)
-            running.append(side)
-            wait_ready(side, engine.model_id)
-        meta["ready_s"] = {s.name: round(s.ready_s or 0, 1) for s in running}
-        for round_index in range(args.rounds):
-            for concurrency in args.concurrency:
-                shift = round_index % len(running)
-                order = running[shift:] + running[:shift]  # rotate: no side always runs first
-                for side in order:
-                    name = f"{side.name}-c{concurrency}-r{round_index}.json"
-                    result = run_client(side, engine, workload, concurrency, out, name)
-                    cells.setdefault((side.name, concurrency), Cell(side.name, concurrency)).runs.append(result)
-                    load = load_loads()
-                    meta["loads"].append({"run": name, "load": load})
-                    print(f"round {round_index} c={concurrency:<3} {side.name:<13} "
-                          f"{result['output_throughput']:8.1f} tok/s  TTFT p50 {result['median_ttft_ms']:7.1f} ms  "
-                          f"p99 {result['p99_ttft_ms']:7.1f}  ITL p50 {result['median_itl_ms']:6.1f} ms  "
-                          f"p99 {result['p99_itl_ms']:6.1f}  failed {result.get('failed', 0)}  "
-                          f"({result['_wall_s']:.0f} s, load {load})", flush=True)
+        if args.isolated:
+            for round_index in range(args.rounds):
+                shift = round_index % len(args.sides)
+                for name in args.sides[shift:] + args.sides[:shift]:  # rotate: no side always runs first
+                    side = start_side(name, engine, args.config, out, suffix=f"-r{round_index}",
+                                      tensor_parallel_size=args.tensor_parallel_size)
+                    running.append(side)
+                    wait_ready(side, engine.model_id)
+                    meta["ready_s"].setdefault(name, []).append(round(side.ready_s or 0, 1))
+                    warm_up(side, f"-r{round_index}")
+                    for concurrency in args.concurrency:
+                        measure(side, round_index, concurrency)
+                    stop_side(running.pop())
+        else:
+            for name in args.sides:  # one at a time: starting engines in parallel on a small machine only slows all
+                side = start_side(name, engine, args.config, out, tensor_parallel_size=args.tensor_parallel_size)
+                running.append(side)
+                wait_ready(side, engine.model_id)
+                warm_up(side, "")
+            meta["ready_s"] = {s.name: round(s.ready_s or 0, 1) for s in running}
+            for round_index in range(args.rounds):
+                for concurrency in args.concurrency:
+                    shift = round_index % len(running)
+                    for side in running[shift:] + running[:shift]:  # rotate: no side always runs first
+                        measure(side, round_index, concurrency)
         if args.ttft_probe:
             meta["ttft_probe"] = probe = paired_ttft(running, engine.model_id, args.ttft_probe)
             meta["ttft_probe"]["load_after"] = load_loads()
@@ -595,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(cells, args.sides, args.concurrency)
     (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print("\n" + markdown_table(rows))
+    print("\nCPU ms per request, by component:\n" + cpu_table(rows))
     print(f"\nresults in {out}; {meta['total_s']:.0f} s in all")
     if args.plot:
         title = (f"tiny Llama + EAGLE3, TP{engine.engine_kwargs.get('tensor_parallel_size')} on CPU, "

@@ -1,4 +1,5 @@
-"""The benchmark scripts still run: the planner benchmark's core on a small range, and its import-cost parser.
+"""The benchmark scripts still run: the planner benchmark's core on a small range, its import-cost parser, and
+the serving benchmark's parts that do not need a server.
 
 No timing is asserted (the machine is shared); only that the rows are there and say what they claim.
 """
@@ -6,6 +7,9 @@ No timing is asserted (the machine is shared); only that the rows are there and 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -89,3 +93,51 @@ def test_bare_vllm_gets_the_engine_serve_gets(bench_serving):
     for key in engine.engine_kwargs:
         assert getattr(from_cli, key) == getattr(from_kwargs, key), key
     assert from_cli.speculative_config["method"] == "eagle3"
+
+
+def test_tensor_parallel_override_reaches_both_sides(bench_serving):
+    engine = bench_serving.engine_from_config(REPO_ROOT / "deploy" / "dev.yaml", tensor_parallel_size=1)
+    assert engine.engine_kwargs["tensor_parallel_size"] == 1
+    assert engine.raw_args["parallel"]["tensor_parallel_size"] == 1  # what the Serve side builds from
+    assert bench_serving.engine_from_config(REPO_ROOT / "deploy" / "dev.yaml").engine_kwargs["tensor_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("title, component", [
+    ("ray::ProxyActor", "proxy"),
+    ("ray::ServeReplica:bench:OpenAiErrorsIngress.handle_request_with_rejection", "ingress"),
+    ("ray::ServeReplica:bench:LLMServer:tiny-llama", "llm replica"),
+    ("VLLM::EngineCore", "engine"),
+    ("VLLM::Worker_TP1", "engine"),
+    ("ray::ServeController.listen_for_change", "serve controller"),
+    ("/venv/bin/python -m vllm.entrypoints.openai.api_server --model m", "api server"),
+    ("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x", "other"),
+])
+def test_processes_are_told_apart_by_title(bench_serving, title, component):
+    assert bench_serving.component_of(title) == component
+
+
+def test_cpu_time_of_a_session_is_counted(bench_serving):
+    """A process in a session of its own that burns CPU shows up in that session's total, and only there."""
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.5\n"
+                               "while time.process_time() < end: pass\ntime.sleep(60)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while sum(bench_serving.cpu_seconds_by_component(burner.pid).values()) < 0.4:
+            assert time.monotonic() < deadline, "the burner's CPU time never showed up"
+            time.sleep(0.2)
+        counted = bench_serving.cpu_seconds_by_component(burner.pid)
+        assert counted["other"] >= 0.4 and counted["engine"] == 0
+        assert sum(bench_serving.cpu_seconds_by_component(burner.pid + 10**7).values()) == 0  # no such session
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def test_cpu_table_gives_per_request_milliseconds(bench_serving):
+    runs = [{"completed": 4, "failed": 0, "_cpu_s": dict.fromkeys(bench_serving.COMPONENTS, 0.0)
+             | {"proxy": 0.04, "engine": 2.0}, **dict.fromkeys(bench_serving.METRICS, 1.0)}]
+    cell = bench_serving.Cell("serve", 8, runs)
+    rows = bench_serving.summarise({("serve", 8): cell}, ["serve"], [8])
+    assert rows[0]["cpu_ms_per_request"]["proxy"] == pytest.approx(10.0)
+    table = bench_serving.cpu_table(rows)
+    assert "| 8 | serve | 10.0 | 500.0 | 10.0 | 510.0 |" in table, table
