@@ -106,11 +106,17 @@ def snapshot_from_ray() -> dict[str, Any]:
 
 
 @cache
-def _snapshot() -> dict[str, Any] | None:
+def _snapshot_validator() -> Any | None:
+    """A JSON Schema validator for the snapshot, or None when there is none for the installed Ray version."""
     try:
-        return json.loads(SNAPSHOT_PATH.read_text())
+        snapshot = json.loads(SNAPSHOT_PATH.read_text())
     except (OSError, ValueError):
         return None
+    if snapshot.get("ray_version") != _installed_ray_version():
+        return None
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(snapshot["schema"])
 
 
 def _installed_ray_version() -> str | None:
@@ -122,14 +128,9 @@ def _installed_ray_version() -> str | None:
 
 def accepts_without_ray(document: Any) -> bool:
     """True only when Ray's ``ServeDeploySchema`` is sure to accept ``document`` too; False means "ask Ray"."""
-    snapshot = _snapshot()
-    if snapshot is None or snapshot.get("ray_version") != _installed_ray_version():
+    validator = _snapshot_validator()
+    if validator is None or not isinstance(document, dict) or not _finite_outside_args(document):
         return False
-    if not isinstance(document, dict) or not _finite_outside_args(document):
-        return False
-    import jsonschema
-
-    validator = jsonschema.Draft202012Validator(snapshot["schema"])
     if not validator.is_valid(document):
         return False
     applications = document["applications"]

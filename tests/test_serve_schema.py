@@ -135,7 +135,13 @@ def test_the_shortcut_accepts_what_ray_accepts(document):
 
 def test_a_snapshot_for_another_ray_version_is_not_used(monkeypatch):
     monkeypatch.setattr(serve_schema, "_installed_ray_version", lambda: "0.0.1")
-    assert not serve_schema.accepts_without_ray(GOOD_DOCUMENTS[0])
+    serve_schema._snapshot_validator.cache_clear()
+    try:
+        assert not serve_schema.accepts_without_ray(GOOD_DOCUMENTS[0])
+    finally:
+        monkeypatch.undo()
+        serve_schema._snapshot_validator.cache_clear()
+    assert serve_schema.accepts_without_ray(GOOD_DOCUMENTS[0])
 
 
 def test_the_shortcut_does_not_decide_rejections(tmp_path):
