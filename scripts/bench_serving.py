@@ -5,6 +5,7 @@ own serving benchmark client (``vllm bench serve``).
     python scripts/bench_serving.py                                  # deploy/dev.yaml, concurrency 1 8 32, 2 rounds
     python scripts/bench_serving.py --sides vllm serve serve@0 --rounds 1 --concurrency 8 --out bench-out
     python scripts/bench_serving.py --isolated --tensor-parallel-size 1  # one side up at a time; TP 1 everywhere
+    python scripts/bench_serving.py --isolated --pin-engine 1        # the engine on CPU 0, everything else beside it
 
 Sides (all on loopback; all up together for the whole run, or with ``--isolated`` one at a time, each started
 afresh every round):
@@ -366,6 +367,28 @@ def cpu_seconds_by_component(session_id: int) -> dict[str, float]:
     return totals
 
 
+def pin_side(session_id: int, engine_cpus: set[int], other_cpus: set[int]) -> int:
+    """Restrict every thread of the side's engine processes to ``engine_cpus`` and of all its other processes to
+    ``other_cpus`` (``--pin-engine``): the engine then owns its cores, as on a GPU node where it is a few
+    processes among dozens of cores, and what serving adds runs beside it. Returns the threads pinned."""
+    pinned = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            if int(stat[stat.rindex(")") + 2:].split()[3]) != session_id:
+                continue
+            cpus = engine_cpus if component_of(title) == "engine" else other_cpus
+            for task in (entry / "task").iterdir():  # affinity is per thread; threads started later inherit it
+                os.sched_setaffinity(int(task.name), cpus)
+                pinned += 1
+        except (OSError, ValueError):  # the process or thread exited meanwhile
+            continue
+    return pinned
+
+
 @dataclass(frozen=True)
 class Workload:
     input_len: int
@@ -380,7 +403,7 @@ class Workload:
 
 
 def run_client(side: RunningSide, engine: Engine, workload: Workload, concurrency: int, result_dir: Path,
-               name: str) -> dict[str, Any]:
+               name: str, cpus: set[int] | None = None) -> dict[str, Any]:
     endpoint = "/v1/chat/completions" if workload.backend == "openai-chat" else "/v1/completions"
     argv = [
         sys.executable, "-c", BENCH_CLIENT,
@@ -396,7 +419,8 @@ def run_client(side: RunningSide, engine: Engine, workload: Workload, concurrenc
     ]
     cpu_before = cpu_seconds_by_component(side.process.pid)
     started = time.monotonic()
-    done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True)
+    done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     cpu_after = cpu_seconds_by_component(side.process.pid)
     (result_dir / (name.removesuffix(".json") + ".log")).write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -610,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="write the PNG plot here")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="replace the config's args.parallel.tensor_parallel_size on every side")
+    parser.add_argument("--pin-engine", type=int, default=0, metavar="N",
+                        help="run each side's engine processes on the first N CPUs and everything else (proxy, "
+                             "replicas, API server, Ray head, the client) on the rest")
     parser.add_argument("--isolated", action="store_true",
                         help="only one side up at a time: each round starts a side, runs every concurrency, stops it "
                              "(an idle Ray head takes CPU from whatever else runs on a small machine)")
@@ -631,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if len(set(args.sides)) != len(args.sides):
         parser.error("--sides: each side once")
+    if args.pin_engine and not 0 < args.pin_engine < len(os.sched_getaffinity(0)):
+        parser.error(f"--pin-engine: between 1 and {len(os.sched_getaffinity(0)) - 1} (this machine has "
+                     f"{len(os.sched_getaffinity(0))} CPUs; the rest must keep at least one)")
     if args.isolated and args.ttft_probe:
         parser.error("--ttft-probe pairs sides that are up together; it cannot run with --isolated")
 
@@ -648,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "config": str(args.config), "engine_kwargs": engine.engine_kwargs, "env": engine.env,
         "workload": workload.__dict__, "sides": args.sides, "concurrency": args.concurrency, "rounds": args.rounds,
-        "tensor_parallel_size": engine.engine_kwargs.get("tensor_parallel_size"),
+        "tensor_parallel_size": engine.engine_kwargs.get("tensor_parallel_size"), "pin_engine": args.pin_engine,
         "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": load_loads(),
         "loads": [],
     }
@@ -657,9 +687,19 @@ def main(argv: list[str] | None = None) -> int:
     cells: dict[tuple[str, int], Cell] = {}
     started = time.monotonic()
 
+    client_cpus = None
+    if args.pin_engine:
+        every = sorted(os.sched_getaffinity(0))
+        engine_cpus, client_cpus = set(every[:args.pin_engine]), set(every[args.pin_engine:])
+
+    def pin(side: RunningSide) -> None:
+        if client_cpus:  # again before every run: Ray may have started processes since
+            pin_side(side.process.pid, engine_cpus, client_cpus)
+
     def measure(side: RunningSide, round_index: int, concurrency: int) -> None:
         name = f"{side.name}-c{concurrency}-r{round_index}.json"
-        result = run_client(side, engine, workload, concurrency, out, name)
+        pin(side)
+        result = run_client(side, engine, workload, concurrency, out, name, cpus=client_cpus)
         cells.setdefault((side.name, concurrency), Cell(side.name, concurrency)).runs.append(result)
         load = load_loads()
         meta["loads"].append({"run": name, "load": load})
@@ -672,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
     def warm_up(side: RunningSide, label: str) -> None:
         # The first requests of a fresh engine meet cold kernels and allocator pools; one unmeasured run at the
         # highest concurrency keeps that out of whichever measurement comes first.
-        run_client(side, engine, workload, max(args.concurrency), out, f"{side.name}-warmup{label}.json")
+        pin(side)
+        run_client(side, engine, workload, max(args.concurrency), out, f"{side.name}-warmup{label}.json", cpus=client_cpus)
 
     meta["isolated"] = args.isolated
     meta["ready_s"] = {}

@@ -7,6 +7,7 @@ No timing is asserted (the machine is shared); only that the rows are there and 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -141,3 +142,23 @@ def test_cpu_table_gives_per_request_milliseconds(bench_serving):
     assert rows[0]["cpu_ms_per_request"]["proxy"] == pytest.approx(10.0)
     table = bench_serving.cpu_table(rows)
     assert "| 8 | serve | 10.0 | 500.0 | 10.0 | 510.0 |" in table, table
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell the sets apart")
+def test_pinning_puts_a_sessions_threads_on_their_cpus(bench_serving):
+    """--pin-engine: a process that is not the engine goes to the other CPUs, every thread of it."""
+    first, *rest = sorted(os.sched_getaffinity(0))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                                "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+                                "time.sleep(60)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(os.listdir(f"/proc/{sleeper.pid}/task")) < 2:
+            assert time.monotonic() < deadline, "the sleeper's second thread never started"
+            time.sleep(0.1)
+        assert bench_serving.pin_side(sleeper.pid, {first}, set(rest)) >= 2
+        for task in os.listdir(f"/proc/{sleeper.pid}/task"):
+            assert os.sched_getaffinity(int(task)) == set(rest)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
