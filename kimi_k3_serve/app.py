@@ -50,11 +50,7 @@ class PreflightReport:
 def build_app(args: dict[str, Any]):
     """Validate ``args``, run the pre-launch check, and return the Serve ``Application``."""
     validated = load_args(args, source=ARGS_SOURCE)
-    model_source = resolve_source(validated.model.source, field="args.model.source")
-    draft_source = (
-        resolve_source(validated.speculative.model, field="args.speculative.model") if validated.speculative else None
-    )
-    llm_config = _llm_config(validated, model_source, draft_source)
+    llm_config = llm_config_of(validated)
     report = preflight(validated, llm_config)
     for line in report.checks:
         logger.info("preflight: %s", line)
@@ -110,6 +106,13 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
         replica_bundles=bundles,
         checks=tuple(checks),
     )
+
+
+def llm_config_of(args: ServeArgs):
+    """Ray Serve LLM's ``LLMConfig`` for validated args, with the model and draft sources resolved."""
+    model_source = resolve_source(args.model.source, field="args.model.source")
+    draft_source = resolve_source(args.speculative.model, field="args.speculative.model") if args.speculative else None
+    return _llm_config(args, model_source, draft_source)
 
 
 def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):
