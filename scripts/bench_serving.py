@@ -13,9 +13,9 @@ afresh every round):
   ``vllm serve``) with exactly the engine arguments our builder gives Ray Serve LLM;
 - ``serve``: our dev deployment, ``kimi_k3_serve.app:build_app(args)`` under Serve on a local Ray head of its own;
 - ``serve@MS``: the same with ``args.deployment.stream_batching_interval_ms: MS`` (e.g. ``serve@0``, every chunk
-  sent alone), to compare settings in one run.
-Ray Serve LLM's direct-streaming mode is not a side: it needs HAProxy, which binds the replicas' HTTP ports on
-every interface, and it refuses our ingress (docs/benchmarks.md says more).
+  sent alone), to compare settings in one run;
+- ``direct``: Ray Serve LLM's direct-streaming mode (HAProxy in front, the LLM replica serving vLLM's own HTTP
+  app) with the same ``LLMConfig``, but without our ingress, which that mode refuses.
 
 Equal footing: bare vLLM gets ``OMP_NUM_THREADS=1``, which Ray gives every worker it starts, and the Ray heads
 run their workers at nice 0 (Ray's default is 15), like bare vLLM.
@@ -147,9 +147,14 @@ def vllm_cli_flags(engine_kwargs: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+DIRECT_STREAMING_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+"""Ray Serve LLM's direct streaming: HAProxy in front, the LLM replica serving vLLM's own HTTP app, no ingress
+replica in the path. Read by Ray Serve when it is imported, in the driver and in every Ray worker."""
+
+
 def parse_side(side: str) -> float | None:
-    """``serve@MS`` -> MS (the stream batching interval it runs with); ``serve`` -> None (the config's own)."""
-    if side in ("vllm", "serve"):
+    """``serve@MS`` -> MS (the stream batching interval it runs with); ``serve``, ``direct`` -> None."""
+    if side in ("vllm", "serve", "direct"):
         return None
     name, _, value = side.partition("@")
     try:
@@ -157,7 +162,7 @@ def parse_side(side: str) -> float | None:
             return float(value)
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"side {side!r}: expected vllm, serve or serve@MS (MS >= 0)")
+    raise argparse.ArgumentTypeError(f"side {side!r}: expected vllm, serve, serve@MS (MS >= 0) or direct")
 
 
 def side_args(raw_args: dict[str, Any], side: str) -> dict[str, Any]:
@@ -171,6 +176,8 @@ def side_args(raw_args: dict[str, Any], side: str) -> dict[str, Any]:
 
 def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parallel_size: int | None) -> int:
     """Run one Serve side until SIGTERM: own Ray head (own temp dir, fresh ports), Serve on 127.0.0.1:port."""
+    if side == "direct":
+        os.environ.update(DIRECT_STREAMING_ENV)  # before Ray is imported; the Ray head's workers inherit it
     import ray
     from ray import serve
 
@@ -184,9 +191,18 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
              log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        from kimi_k3_serve.app import build_app
+        from kimi_k3_serve.app import build_app, llm_config_of
+        from kimi_k3_serve.args import load_args
 
-        application = build_app(side_args(engine_from_config(config, tensor_parallel_size).raw_args, side))
+        raw_args = side_args(engine_from_config(config, tensor_parallel_size).raw_args, side)
+        if side == "direct":
+            # Ray Serve LLM refuses a custom ingress in this mode: the same LLMConfig (engine, LLM replica class)
+            # without our OpenAI-errors/API-key ingress, which is not in the path any more.
+            from ray.serve.llm import build_openai_app
+
+            application = build_openai_app({"llm_configs": [llm_config_of(load_args(raw_args))]})
+        else:
+            application = build_app(raw_args)
         serve.run(application, name=APP_NAME, route_prefix="/")
         print("SIDE READY", flush=True)
         while not stop["now"]:
@@ -277,7 +293,7 @@ def wait_ready(side: RunningSide, model_id: str, timeout_s: float = READY_TIMEOU
 
 def stop_side(side: RunningSide, grace_s: float = 90) -> None:
     """SIGTERM to the side's own process (Serve children shut their Ray head down), then SIGKILL to the process
-    group it leads if anything is left. Only processes this script started are signalled."""
+    group it leads and to anything left in its session. Only processes this script started are signalled."""
     if side.process.poll() is None:
         side.process.send_signal(signal.SIGTERM)
         try:
@@ -289,6 +305,11 @@ def stop_side(side: RunningSide, grace_s: float = 90) -> None:
     except ProcessLookupError:
         pass
     side.process.wait()
+    for process in session_processes(side.process.pid):  # e.g. HAProxy, which Serve starts in its own group
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     if side.temp_dir:
         leftovers = _processes_mentioning(side.temp_dir)
         for pid in leftovers:  # Ray daemons of this side's head only: their command lines name its temp dir
@@ -324,8 +345,8 @@ def _processes_mentioning(text: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------------
 
 COMPONENTS = ("proxy", "ingress", "llm replica", "api server", "engine", "serve controller", "other")
-"""What one side's processes are, by their process titles: Serve's HTTP proxy, the OpenAI ingress replica, the
-LLM replica (vLLM's AsyncLLM front end: chat template, tokenizer, detokenizer), bare vLLM's API server (the same
+"""What one side's processes are, by their process titles: Serve's HTTP proxy (and HAProxy in direct streaming),
+the OpenAI ingress replica (the ``LLMRouter`` replica in direct streaming), the LLM replica (vLLM's AsyncLLM front end: chat template, tokenizer, detokenizer), bare vLLM's API server (the same
 front end plus HTTP), the engine (EngineCore and its workers, alike on every side), Serve's controller, and
 everything else the side started ("other": on a Serve side the rest of its Ray head -- GCS, raylet, agents,
 idle workers, the driver; on bare vLLM, multiprocessing's resource tracker)."""
@@ -334,7 +355,7 @@ idle workers, the driver; on bare vLLM, multiprocessing's resource tracker)."""
 def component_of(title: str) -> str:
     if title.startswith("VLLM::"):
         return "engine"
-    if "ProxyActor" in title:
+    if "ProxyActor" in title or title.split(" ", 1)[0].endswith("haproxy"):
         return "proxy"
     if title.startswith("ray::ServeReplica") and "LLMServer" in title:
         return "llm replica"
@@ -347,23 +368,39 @@ def component_of(title: str) -> str:
     return "other"
 
 
-def cpu_seconds_by_component(session_id: int) -> dict[str, float]:
-    """CPU time (user + system) so far of every live process in the side's session (each side is started with
-    a session of its own), summed by component. Processes that exit between two readings are not counted."""
+@dataclass(frozen=True)
+class SessionProcess:
+    pid: int
+    title: str
+    cpu_seconds: float
+    """User + system CPU time so far."""
+
+
+def session_processes(session_id: int) -> list[SessionProcess]:
+    """The live processes of a session (each side is started in a session of its own, and Ray's and vLLM's
+    processes under it stay in it)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    totals = dict.fromkeys(COMPONENTS, 0.0)
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
             title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
+        except OSError:  # exited meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is fields[0]
-        if int(fields[3]) != session_id:  # fields[3] is the session id
-            continue
-        totals[component_of(title)] += (int(fields[11]) + int(fields[12])) / ticks
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": fields[3] is the session id
+        if int(fields[3]) == session_id:
+            found.append(SessionProcess(int(entry.name), title, (int(fields[11]) + int(fields[12])) / ticks))
+    return found
+
+
+def cpu_seconds_by_component(session_id: int) -> dict[str, float]:
+    """CPU time so far of the side's live processes, summed by component. Processes that exit between two
+    readings are not counted."""
+    totals = dict.fromkeys(COMPONENTS, 0.0)
+    for process in session_processes(session_id):
+        totals[component_of(process.title)] += process.cpu_seconds
     return totals
 
 
@@ -372,19 +409,13 @@ def pin_side(session_id: int, engine_cpus: set[int], other_cpus: set[int]) -> in
     ``other_cpus`` (``--pin-engine``): the engine then owns its cores, as on a GPU node where it is a few
     processes among dozens of cores, and what serving adds runs beside it. Returns the threads pinned."""
     pinned = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for process in session_processes(session_id):
+        cpus = engine_cpus if component_of(process.title) == "engine" else other_cpus
         try:
-            stat = (entry / "stat").read_text()
-            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            if int(stat[stat.rindex(")") + 2:].split()[3]) != session_id:
-                continue
-            cpus = engine_cpus if component_of(title) == "engine" else other_cpus
-            for task in (entry / "task").iterdir():  # affinity is per thread; threads started later inherit it
+            for task in Path(f"/proc/{process.pid}/task").iterdir():  # affinity is per thread; new ones inherit it
                 os.sched_setaffinity(int(task.name), cpus)
                 pinned += 1
-        except (OSError, ValueError):  # the process or thread exited meanwhile
+        except OSError:  # the process or thread exited meanwhile
             continue
     return pinned
 

