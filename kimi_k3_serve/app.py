@@ -108,11 +108,16 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
     )
 
 
-def llm_config_of(args: ServeArgs):
-    """Ray Serve LLM's ``LLMConfig`` for validated args, with the model and draft sources resolved."""
+def resolved_sources(args: ServeArgs) -> tuple[str, str | None]:
+    """The model's and the draft's (None without one) sources as vLLM loads them (``cache:`` names resolved)."""
     model_source = resolve_source(args.model.source, field="args.model.source")
     draft_source = resolve_source(args.speculative.model, field="args.speculative.model") if args.speculative else None
-    return _llm_config(args, model_source, draft_source)
+    return model_source, draft_source
+
+
+def llm_config_of(args: ServeArgs):
+    """Ray Serve LLM's ``LLMConfig`` for validated args, with the model and draft sources resolved."""
+    return _llm_config(args, *resolved_sources(args))
 
 
 def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):

@@ -106,7 +106,7 @@ def engine_from_config(config: Path, tensor_parallel_size: int | None = None) ->
     """The deploy config's engine, as our builder hands it to Ray Serve LLM; ``tensor_parallel_size`` replaces
     the config's ``args.parallel.tensor_parallel_size`` (for every side alike)."""
     from kimi_k3_serve import app
-    from kimi_k3_serve.args import load_args, resolve_source
+    from kimi_k3_serve.args import load_args
     from kimi_k3_serve.serve_config import load_serve_app
 
     declared = load_serve_app(config)
@@ -115,8 +115,7 @@ def engine_from_config(config: Path, tensor_parallel_size: int | None = None) ->
         parallel = dict(raw_args.get("parallel") or {}, tensor_parallel_size=tensor_parallel_size)
         raw_args = {**raw_args, "parallel": parallel}
     args = load_args(raw_args, source=f"{config} with tensor_parallel_size {tensor_parallel_size}")
-    model_source = resolve_source(args.model.source, field="args.model.source")
-    draft_source = resolve_source(args.speculative.model, field="args.speculative.model") if args.speculative else None
+    model_source, draft_source = app.resolved_sources(args)
     return Engine(
         model_id=args.model.id,
         model_source=model_source,
