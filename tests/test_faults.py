@@ -55,9 +55,10 @@ def _engine_core(app: str) -> psutil.Process:
     return cores[0]
 
 
-def _replica_actor_pid(app: str) -> int | None:
+def _replica_actor_pid(app: str, excluding: int | None = None) -> int | None:
+    """The app's replica actor process; ``excluding`` skips an old one that may not have exited yet."""
     for process in replica_processes(app):
-        if "ServeReplica:" in " ".join(process.cmdline()):
+        if process.pid != excluding and "ServeReplica:" in " ".join(process.cmdline()):
             return process.pid
     return None
 
@@ -281,7 +282,9 @@ class TestNodeLoss:
             recovered = _wait_until_serving(client, killed_at)
         finally:
             _kill_leftovers([pid for pid in orphans if pid != old_actor])
-        new_actor = _replica_actor_pid(self.APP)
+        # The old replica, orphaned by its raylet, can outlive it for a moment: look for the new one.
+        new_actor = _replica_actor_pid(self.APP, excluding=old_actor)
+        assert new_actor is not None, "no new replica actor process"
         (survivor,) = [node for node in cluster.gpu_workers if node is not doomed]
         new_parent = psutil.Process(new_actor).parent()
         print(f"\n[raylet of node {doomed.node_id[:8]} killed: serving again {recovered:.1f} s later, "
