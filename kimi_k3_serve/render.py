@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from kimi_k3_serve import __version__
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.hardware import lookup_gpu
 from kimi_k3_serve.units import GB, GiB
@@ -360,11 +361,42 @@ def _header(request: ClusterFileRequest, what: str, how: str) -> list[str]:
     return lines
 
 
-def _setup_commands(indent: str) -> list[str]:
+GPU_IMAGE = f"kimi-k3-serve:{__version__}-gpu"
+"""The node image ``deploy/Dockerfile`` builds (x86_64); GB300 trays (Grace, arm64) get ``GPU_IMAGE + "-arm64"``."""
+GPU_LOCK = "deploy/requirements-gpu.lock"
+"""The locked node environment (``scripts/make_gpu_lock.py``): Python 3.12, x86_64, pins with hashes."""
+UV_VERSION = "0.13.9"
+"""uv for the launcher nodes' setup: it brings Python 3.12 where the machine image has another Python."""
+NODE_VENV = "~/kimi-k3-serve-env"
+
+
+def _arm64(gpu: str) -> bool:
+    """Grace-based trays (GB200/GB300) have arm64 CPUs."""
+    return gpu.startswith("GB")
+
+
+def gpu_image(gpu: str) -> str:
+    """The image a node of ``gpu`` runs: the arm64 build on Grace-based trays."""
+    return GPU_IMAGE + ("-arm64" if _arm64(gpu) else "")
+
+
+def gpu_lock(gpu: str) -> str:
+    """The lock a node of ``gpu`` installs: ``scripts/make_gpu_lock.py`` writes one per CPU architecture."""
+    return GPU_LOCK.replace(".lock", "-arm64.lock") if _arm64(gpu) else GPU_LOCK
+
+
+def _setup_commands(indent: str, gpu: str) -> list[str]:
+    """Every node: Python 3.12 in its own venv, the locked environment, then this package without dependencies.
+    The venv is activated from ~/.bashrc, which the launcher sources before each command (ray start too)."""
+    python = f"{NODE_VENV}/bin/python"
     return [
-        f"{indent}# EDIT: pin the same versions the deploy config was planned for.",
-        f'{indent}- pip install "ray[serve]=={RAY_VERSION}" "vllm=={VLLM_VERSION}" pyarrow',
-        f"{indent}- pip install -e ~/kimi-k3-serve",
+        f"{indent}# The locked environment of deploy/Dockerfile (ray[serve]=={RAY_VERSION}, vllm=={VLLM_VERSION}, torch),",
+        f"{indent}# written by scripts/make_gpu_lock.py; the nodes need an NVIDIA driver for CUDA 13 (>= 580).",
+        f"{indent}- test -x ~/.local/bin/uv || curl -LsSf https://astral.sh/uv/{UV_VERSION}/install.sh | sh",
+        f"{indent}- ~/.local/bin/uv venv --allow-existing --python 3.12 {NODE_VENV}",
+        f"{indent}- ~/.local/bin/uv pip install --python {python} -r ~/kimi-k3-serve/{gpu_lock(gpu)}",
+        f"{indent}- ~/.local/bin/uv pip install --python {python} --no-deps -e ~/kimi-k3-serve",
+        f"{indent}- grep -qs kimi-k3-serve-env/bin/activate ~/.bashrc || echo 'source {NODE_VENV}/bin/activate' >> ~/.bashrc",
     ]
 
 
@@ -401,7 +433,7 @@ def _launcher_common(request: ClusterFileRequest, provider: list[str], auth: lis
         '  # Run `ray up` from the repository root: the project (and its deploy configs) is copied to every node.',
         '  "~/kimi-k3-serve": "."',
         "setup_commands:",
-        *_setup_commands("  "),
+        *_setup_commands("  ", request.shape.gpu),
         "head_start_ray_commands:",
         "  - ray stop",
         "  - ulimit -n 65536; ray start --head --port=6379 --num-gpus=0 --autoscaling-config=~/ray_bootstrap_config.yaml "
@@ -431,11 +463,11 @@ def _render_launcher_aws(request: ClusterFileRequest) -> str:
         auth=["  ssh_user: ubuntu"],
         head_config=[
             "      InstanceType: m7i.8xlarge",
-            "      ImageId: ami-REPLACE-ME  # EDIT: a Deep Learning AMI (Ubuntu 22.04, CUDA 12.8+) in your region",
+            "      ImageId: ami-REPLACE-ME  # EDIT: an Ubuntu AMI in your region (setup_commands bring Python 3.12)",
         ],
         worker_config=[
             f"      InstanceType: {request.offering.name}",
-            "      ImageId: ami-REPLACE-ME  # EDIT: a Deep Learning AMI with the NVIDIA driver, EFA and NCCL plugin",
+            "      ImageId: ami-REPLACE-ME  # EDIT: a Deep Learning AMI with an NVIDIA driver >= 580 (CUDA 13), EFA and NCCL plugin",
             "      # EDIT: a capacity reservation / placement group and EFA network interfaces for cross-node NCCL.",
             "      BlockDeviceMappings:",
             "        - DeviceName: /dev/sda1",
@@ -475,6 +507,7 @@ def _render_launcher_gcp(request: ClusterFileRequest) -> str:
             "        - boot: true",
             "          autoDelete: true",
             "          type: PERSISTENT",
+            "          # EDIT: the image needs an NVIDIA driver >= 580 for the lock's CUDA 13 wheels.",
             f"          initializeParams: {{diskSizeGb: 3000, sourceImage: {image}}}  # the 1.56 TB checkpoint",
             "      scheduling:",
             "        - onHostMaintenance: TERMINATE  # GPU VMs cannot live-migrate",
@@ -551,9 +584,7 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         "serveConfigV2 below is the deploy config, verbatim. Apply with `kubectl apply -f <this file>`.",
     )
     min_workers, max_workers = scaling.min_workers(shape), scaling.max_workers(shape)
-    image = f"REPLACE-ME/kimi-k3-serve:ray{RAY_VERSION}-vllm{VLLM_VERSION}"
-    if shape.gpu.startswith("GB"):
-        image += "-arm64"  # Grace CPUs: the worker image must be built for arm64
+    image = gpu_image(shape.gpu)
     lines += [
         "apiVersion: ray.io/v1",
         "kind: RayService",
@@ -581,7 +612,10 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         "        spec:",
         "          containers:",
         "            - name: ray-head",
-        f"              image: {image}  # EDIT: ray[serve]=={RAY_VERSION}, vllm=={VLLM_VERSION}, kimi-k3-serve",
+        f"              # deploy/Dockerfile: ray[serve]=={RAY_VERSION}, vllm=={VLLM_VERSION} from "
+        + gpu_lock(shape.gpu) + (" (docker build --platform linux/arm64)." if _arm64(shape.gpu) else "."),
+        "              # EDIT: push it to a registry the cluster pulls from and prefix the name with it (README).",
+        f"              image: {image}",
         "              resources:",
         '                limits: {cpu: "16", memory: 64Gi}',
         '                requests: {cpu: "16", memory: 64Gi}',

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kimi_k3_serve import __version__
 from kimi_k3_serve.cli import main
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.render import (
@@ -139,6 +140,39 @@ def test_kuberay_embeds_the_deploy_config_verbatim_and_declares_the_custom_resou
     assert group["resources"] == {"accelerator_type:H200": "1"}
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "8"
+
+
+@pytest.mark.parametrize("gpu, world, per_node, cpus, image, lock", [
+    ("H200", 16, 8, 180, "kimi-k3-serve:0.1.0-gpu", "deploy/requirements-gpu.lock"),
+    ("GB300", 8, 4, 128, "kimi-k3-serve:0.1.0-gpu-arm64", "deploy/requirements-gpu-arm64.lock"),
+])
+def test_kuberay_pods_run_the_image_deploy_dockerfile_builds(gpu, world, per_node, cpus, image, lock):
+    text = render(_request("kuberay", _shape(gpu=gpu, world=world, per_node=per_node, cpus=cpus)))
+    cluster = yaml.safe_load(text)["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    worker = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert head["image"] == worker["image"] == image
+    assert "REPLACE-ME" not in text
+    assert lock in text  # the comment names the lock the image was built from
+    assert (REPO / lock).is_file()
+    assert image.startswith(f"kimi-k3-serve:{__version__}-gpu")
+
+
+@pytest.mark.parametrize("fmt", ["launcher-aws", "launcher-gcp"])
+@pytest.mark.parametrize("gpu, lock", [("H200", "deploy/requirements-gpu.lock"), ("B200", "deploy/requirements-gpu.lock")])
+def test_launcher_setup_installs_the_lock_then_the_package_without_dependencies(fmt, gpu, lock):
+    shape = _shape(gpu=gpu, cpus=find_offering(PLATFORM_OF_FORMAT[fmt], gpu).cpus)
+    text = render(_request(fmt, shape))
+    setup = yaml.safe_load(text)["setup_commands"]
+    installs = [command for command in setup if " pip install " in command]
+    assert len(installs) == 2
+    assert installs[0].endswith(f"-r ~/kimi-k3-serve/{lock}")
+    assert "--no-deps -e ~/kimi-k3-serve" in installs[1]
+    assert (REPO / lock).is_file()
+    # ray start (head and workers) runs in the venv the lock went into.
+    assert any("activate' >> ~/.bashrc" in command for command in setup)
+    setup_block = text[text.index("setup_commands:"):text.index("head_start_ray_commands:")]
+    assert "EDIT" not in setup_block
 
 
 def test_kuberay_joins_trays_of_one_nvlink_domain_only_where_the_domain_spans_nodes():
