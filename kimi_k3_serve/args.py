@@ -68,6 +68,10 @@ class ModelArgs(Section):
         ),
     )
     tokenizer: str | None = Field(default=None, description="Tokenizer source when it differs from `source`.")
+    load_format: Literal["auto", "dummy"] = Field(
+        default="auto",
+        description="`dummy`: random weights of the right shapes, nothing read from `source` but config.json (a dry run).",
+    )
 
 
 class AcceleratorArgs(Section):

@@ -110,6 +110,9 @@ class EngineSettings:
     enforce_eager: bool = False
     moe_backend: str = "auto"
     """vLLM ``moe_backend``; ``deep_gemm_mega_moe`` (MegaMoE) is one of the ways sequence parallelism turns on."""
+    usage_context: str = "ray_serve"
+    """Who builds the engine args, which decides vLLM's defaults for unset limits (memory.batch_defaults):
+    ``ray_serve`` (this product), ``openai_api_server`` (``vllm serve``) or ``llm_class`` (``vllm.LLM``)."""
 
     def __post_init__(self) -> None:
         _positive("engine.max_model_len", self.max_model_len)

@@ -46,6 +46,10 @@ outside the budget and must fit in the (1 - util) headroom (vllm-memory.md 1.2).
 FLASHINFER_MXFP4_WORKSPACE = int(1.6 * GiB)
 """FlashInfer TRTLLM MXFP4 MoE allocates ~1.6 GiB outside vLLM's pool on the first forward on Blackwell
 (kimi-k3-facts.md 2.5); charged to the headroom, not to the KV budget."""
+USAGE_CONTEXTS = ("ray_serve", "openai_api_server", "llm_class")
+VERDICTS = ("fits", "cannot_start", "oom_at_load", "no_kv_space", "oom_at_warmup")
+"""vLLM's engine start, in order: the free-memory check (``request_memory``), loading the weights, sizing the KV
+cache from the profile (budget minus non-KV must hold one request), then warmup (allocations after the KV cache)."""
 KV_DTYPE_BYTES = {"auto": 0, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
 
 
@@ -86,6 +90,10 @@ class RankMemory:
     shortfall_bytes: int
     headroom_bytes: int
     local_layers: int = 0
+    after_kv_bytes: int = 0
+    """Allocated after the KV cache is sized (warmup workspaces vLLM's profile never saw); must fit in the headroom."""
+    warmup_shortfall_bytes: int = 0
+    """How far ``after_kv_bytes`` overruns the headroom: vLLM would OOM during warmup by this much."""
 
     @property
     def non_kv_bytes(self) -> int:
@@ -103,6 +111,7 @@ class RankMemory:
             "non_torch_bytes": self.non_torch_bytes, "workspace_bytes": self.workspace_bytes, "draft_bytes": self.draft_bytes,
             "budget_bytes": self.budget_bytes, "kv_cache_bytes": self.kv_cache_bytes, "num_blocks": self.num_blocks,
             "shortfall_bytes": self.shortfall_bytes, "headroom_bytes": self.headroom_bytes,
+            "after_kv_bytes": self.after_kv_bytes, "warmup_shortfall_bytes": self.warmup_shortfall_bytes,
         }
 
 
@@ -129,6 +138,11 @@ class MemoryReport:
     kv_grouping: str = ""
     num_kv_groups: int = 0
     padding_layers: int = 0
+    verdict: str = "fits"
+    """One of VERDICTS: what vLLM 0.32 would do with this layout, in the order it would find out."""
+    safe_gpu_memory_utilization: float | None = None
+    """The largest gpu_memory_utilization (to 0.005) at which every rank still has room for what vLLM allocates after
+    sizing the KV cache; None when no value does."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def stage_ranks(self) -> list[RankMemory]:
@@ -154,6 +168,8 @@ class MemoryReport:
                 "kv_cache_groups": self.num_kv_groups, "kv_grouping": self.kv_grouping, "padding_layers": self.padding_layers,
             },
             "fits": self.fits,
+            "verdict": self.verdict,
+            "safe_gpu_memory_utilization": self.safe_gpu_memory_utilization,
             "shortfall_bytes": self.shortfall_bytes,
             "binding_rank": self.binding_rank,
             "estimates": [
@@ -168,15 +184,27 @@ class MemoryReport:
 
 # -- engine defaults ----------------------------------------------------------------------------------
 
-def batch_defaults(total_bytes: int, device_name: str = "") -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) for the OpenAI server from vLLM 0.32
-    ``EngineArgs.get_batch_defaults`` (engine/arg_utils.py): >= 160 GiB: 16384 / 1024; >= 70 GiB and not an
-    A100: 8192 / 1024; otherwise 2048 / 256."""
+def batch_defaults(total_bytes: int, device_name: str = "", usage_context: str = "ray_serve") -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that vLLM 0.32 picks when the engine args leave them unset
+    (``EngineArgs.get_batch_defaults``, engine/arg_utils.py). The tier comes from the device that the process
+    building the engine args sees, and the usage context picks the column:
+
+    - ``ray_serve``: Ray Serve LLM builds the args with ``UsageContext.OPENAI_API_SERVER`` in the replica process,
+      which holds no GPU (its workers do), so vLLM falls back to device memory 0: 2048 / 256 on every GPU;
+    - ``openai_api_server`` (``vllm serve``): >= 160 GiB 16384 / 1024; >= 70 GiB and not an A100 8192 / 1024;
+      else 2048 / 256;
+    - ``llm_class`` (``vllm.LLM``): >= 160 GiB 16384 / 1024; >= 70 GiB and not an A100 16384 / 1024; else 8192 / 256.
+    """
+    if usage_context not in USAGE_CONTEXTS:
+        raise ConfigError("engine.usage_context", usage_context, f"expected one of {', '.join(USAGE_CONTEXTS)}")
+    llm = usage_context == "llm_class"
+    if usage_context == "ray_serve":
+        total_bytes, device_name = 0, ""
     if total_bytes >= 160 * GiB:
         return 16384, 1024
     if total_bytes >= 70 * GiB and "a100" not in device_name.lower():
-        return 8192, 1024
-    return 2048, 256
+        return (16384 if llm else 8192), 1024
+    return (8192 if llm else 2048), 256
 
 
 def default_block_size(model: ModelInventory, cc: tuple[int, int]) -> int:
@@ -233,7 +261,7 @@ def estimate_memory(
     notes: list[str] = []
     ref = min(devs, key=lambda d: d.total_bytes)
     cc = ref.compute_capability
-    d_mnbt, d_seqs = batch_defaults(ref.total_bytes, ref.name)
+    d_mnbt, d_seqs = batch_defaults(ref.total_bytes, ref.name, engine.usage_context)
     seqs = engine.max_num_seqs or d_seqs
     mnbt = engine.max_num_batched_tokens or min(d_mnbt, seqs * engine.max_model_len)
     prefix = True if engine.enable_prefix_caching is None else engine.enable_prefix_caching
@@ -270,6 +298,7 @@ def estimate_memory(
         cg, cg_margin, cg_basis = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
         ws = 0
         ws_margin = 0
+        after_kv = 0
         has_kda = model._cache.get(("has_kda", start, end))
         if has_kda is None:
             has_kda = model._cache[("has_kda", start, end)] = any(isinstance(model.layers[i].kv, KdaState) for i in range(start, end))
@@ -278,15 +307,18 @@ def estimate_memory(
                 continue
             if item.name == "flashkda" and not has_kda:
                 continue
-            ws += item.workspace_bytes
-            ws_margin += item.margin_bytes
+            if item.after_kv:
+                after_kv += item.workspace_bytes
+            else:
+                ws += item.workspace_bytes
+                ws_margin += item.margin_bytes
             if item.estimate:
                 estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
         estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
                                   "post-snapshot non-torch memory measured by llm-d v0.19 (0.25 GiB TP1, 2.1 GiB TP>=2)"))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
-        stage_info.append((weights, by_cat, draft_bytes, act, cg, non_torch, ws))
+        stage_info.append((weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
     rank_stage = [layout.stage_of_rank(r) for r in range(world)]
@@ -294,7 +326,7 @@ def estimate_memory(
     budgets = []
     for r in range(world):
         d = devs[r]
-        weights, _, draft_bytes, act, cg, nt, ws = stage_info[rank_stage[r]]
+        weights, _, draft_bytes, act, cg, nt, ws, _ = stage_info[rank_stage[r]]
         budget = math.ceil(d.total_bytes * engine.gpu_memory_utilization)
         budgets.append(budget)
         avail.append(budget - (weights + draft_bytes + act + cg + nt + ws))
@@ -307,12 +339,11 @@ def estimate_memory(
     for r in range(world):
         d = devs[r]
         s = rank_stage[r]
-        weights, by_cat, draft_bytes, act, cg, nt, ws = stage_info[s]
+        weights, by_cat, draft_bytes, act, cg, nt, ws, after_kv = stage_info[s]
         start_short = max(0, budgets[r] - d.free)
         shortfall = start_short + pool.shortfall_bytes[r]
-        outside = PRE_SNAPSHOT_CONTEXT + (PRE_SNAPSHOT_NCCL if world > 1 else 0)
-        if cc[0] == 10 and "mxfp4" in model.quantization:
-            outside += FLASHINFER_MXFP4_WORKSPACE
+        outside = _outside_budget(model, world, cc)
+        headroom = d.total_bytes - budgets[r] - outside
         bpb = pool.bytes_per_block[r]
         ranks.append(RankMemory(
             rank=r, pp_stage=s, tp_rank=layout.tp_rank_of(r), dp_rank=layout.dp_rank_of(r),
@@ -321,10 +352,20 @@ def estimate_memory(
             budget_bytes=budgets[r], kv_cache_bytes=avail[r], kv_bytes_per_token=bpb / block_size if block_size else 0.0,
             block_size=block_size, page_bytes=page, bytes_per_block=bpb, state_bytes_per_seq=state_blocks * bpb,
             num_blocks=pool.num_blocks_per_worker[r], shortfall_bytes=shortfall,
-            headroom_bytes=d.total_bytes - budgets[r] - outside, local_layers=len(local[s]),
+            headroom_bytes=headroom, local_layers=len(local[s]),
+            after_kv_bytes=after_kv, warmup_shortfall_bytes=max(0, after_kv - max(headroom, 0)) if after_kv else 0,
         ))
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
-    fits = worst.shortfall_bytes == 0 and pool.num_blocks >= pool.blocks_per_request
+    verdict = _verdict(ranks, devs, stage_info, rank_stage, pool)
+    fits = verdict == "fits"
+    safe_util = _safe_utilization(ranks, model, world, cc)
+    warm = max(ranks, key=lambda x: x.warmup_shortfall_bytes)
+    if warm.warmup_shortfall_bytes:
+        notes.append(
+            f"vLLM would OOM during warmup on rank {warm.rank} by {warm.warmup_shortfall_bytes / GiB:.2f} GiB: "
+            f"{warm.after_kv_bytes / GiB:.2f} GiB is allocated after the KV cache (FlashKDA prefill buffers) and only "
+            f"{max(warm.headroom_bytes, 0) / GiB:.2f} GiB is left outside the budget"
+            + (f"; gpu_memory_utilization {safe_util} or lower leaves room" if safe_util else ""))
     # The rank that decides: the one furthest short, else the one whose pool sets the engine's block count.
     binding = worst.rank if worst.shortfall_bytes else min(range(world), key=lambda r: (pool.num_blocks_per_worker[r], r))
     if any(x.headroom_bytes < 0 for x in ranks):
@@ -346,7 +387,44 @@ def estimate_memory(
         optimisations=optimisations, notes=tuple(notes), max_num_seqs=seqs, max_num_batched_tokens=mnbt,
         enable_prefix_caching=prefix, stage_layers=tuple(stages), kv_grouping=grouping.kind,
         num_kv_groups=len(grouping.groups), padding_layers=grouping.padding_layers,
+        verdict=verdict, safe_gpu_memory_utilization=safe_util,
     )
+
+
+def _outside_budget(model: ModelInventory, world: int, cc: tuple[int, int]) -> int:
+    """Memory that exists outside vLLM's budget before warmup: the CUDA context, NCCL communicators (world > 1) and,
+    on Blackwell with MXFP4 experts, FlashInfer's MoE workspace."""
+    outside = PRE_SNAPSHOT_CONTEXT + (PRE_SNAPSHOT_NCCL if world > 1 else 0)
+    if cc[0] == 10 and "mxfp4" in model.quantization:
+        outside += FLASHINFER_MXFP4_WORKSPACE
+    return outside
+
+
+def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], stage_info, rank_stage, pool) -> str:
+    """The first failure vLLM's start would meet (VERDICTS), or "fits"."""
+    if any(r.budget_bytes > r.free_bytes for r in ranks):
+        return "cannot_start"  # request_memory: free < util x total
+    for r in ranks:
+        weights, _, draft_bytes, *_ = stage_info[rank_stage[r.rank]]
+        if weights + draft_bytes > devs[r.rank].free - PRE_SNAPSHOT_CONTEXT:
+            return "oom_at_load"
+    if any(s for s in pool.shortfall_bytes) or pool.num_blocks < pool.blocks_per_request:
+        return "no_kv_space"
+    if any(r.warmup_shortfall_bytes for r in ranks):
+        return "oom_at_warmup"
+    return "fits"
+
+
+def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world: int, cc: tuple[int, int]) -> float | None:
+    """The largest utilization (a multiple of 0.005) at which every rank's after-KV allocations fit outside the budget."""
+    outside = _outside_budget(model, world, cc)
+    best = 1.0
+    for r in ranks:
+        room = r.total_bytes - outside - r.after_kv_bytes
+        if room <= 0:
+            return None
+        best = min(best, math.floor(room / r.total_bytes * 200) / 200)
+    return best if best > 0 else None
 
 
 def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings) -> None:

@@ -38,6 +38,9 @@ class OptimisationItem:
     """Bytes this item charges inside the KV budget on each rank of the TP group (0 when off)."""
     estimate: bool = False
     margin_bytes: int = 0
+    after_kv: bool = False
+    """Allocated after vLLM has sized the KV cache (during warmup), so vLLM's profile never saw it: it is not taken
+    from the KV pool, and it must fit in what the budget leaves free on the GPU."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Optimisations:
     def to_json(self) -> list[dict]:
         return [
             {"name": i.name, "on": i.on, "reason": i.reason, "env": dict(i.env), "workspace_bytes": i.workspace_bytes,
-             "estimate": i.estimate}
+             "estimate": i.estimate, "after_kv": i.after_kv}
             for i in self.items
         ]
 
@@ -152,8 +155,9 @@ def decide_optimisations(
             state_bytes = 2 if state_dtype == "bfloat16" else 4
             ws = mnbt * heads * kda.head_dim * 2 + 2 * seqs * heads * kda.head_dim * kda.head_dim * state_bytes
             items.append(OptimisationItem(
-                "flashkda", True, f"{arch}: FlashKDA prefill (shared persistent buffers for T={mnbt}, N={seqs}; "
-                "kernel scratch not counted)", workspace_bytes=ws, estimate=True, margin_bytes=64 * MiB,
+                "flashkda", True, f"{arch}: FlashKDA prefill (shared buffers for T={mnbt}, N={seqs}, allocated at warmup, "
+                "after the KV cache; kernel scratch not counted)", workspace_bytes=ws, estimate=True, margin_bytes=64 * MiB,
+                after_kv=True,
             ))
 
     # Latent-MoE tail fusion.

@@ -151,10 +151,34 @@ def test_max_model_len_too_long_for_pool(k3) -> None:
 
 
 def test_engine_defaults_follow_vllm_tiers() -> None:
-    assert batch_defaults(device("B200").total_bytes) == (16384, 1024)
-    assert batch_defaults(device("H200").total_bytes) == (8192, 1024)
-    assert batch_defaults(device("A100-80GB").total_bytes, "NVIDIA A100-SXM4-80GB") == (2048, 256)
-    assert batch_defaults(device("RTX-3090").total_bytes) == (2048, 256)
+    def api(name: str, dev: str = "") -> tuple[int, int]:
+        return batch_defaults(device(name).total_bytes, dev, "openai_api_server")
+
+    assert api("B200") == (16384, 1024)
+    assert api("H200") == (8192, 1024)
+    assert api("A100-80GB", "NVIDIA A100-SXM4-80GB") == (2048, 256)
+    assert api("RTX-3090") == (2048, 256)
+    # vllm.LLM: larger offline batches on H100/H200 and on small GPUs.
+    assert batch_defaults(device("H200").total_bytes, "", "llm_class") == (16384, 1024)
+    assert batch_defaults(device("RTX-3090").total_bytes, "", "llm_class") == (8192, 256)
+
+
+def test_ray_serve_replica_sees_no_gpu_so_vllm_falls_back() -> None:
+    # Ray Serve LLM builds the engine args in a replica that holds no GPU: vLLM's device query fails and it uses
+    # the smallest tier on every GPU, B200 included.
+    for name in ("H200", "B200", "A100-80GB"):
+        assert batch_defaults(device(name).total_bytes, "", "ray_serve") == (2048, 256)
+    assert batch_defaults(device("H200").total_bytes) == (2048, 256)  # the product's path is the default
+    with pytest.raises(ConfigError, match="engine.usage_context"):
+        batch_defaults(device("H200").total_bytes, "", "serve")
+
+
+def test_unset_limits_resolve_as_the_serving_path_would(k3) -> None:
+    served = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768), device("H200"))
+    assert (served.max_num_batched_tokens, served.max_num_seqs) == (2048, 256)
+    offline = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, usage_context="llm_class"),
+                              device("H200"))
+    assert (offline.max_num_batched_tokens, offline.max_num_seqs) == (16384, 1024)
 
 
 def test_pp_partition_rules(k3) -> None:

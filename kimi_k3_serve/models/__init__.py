@@ -16,7 +16,8 @@ from kimi_k3_serve.errors import ConfigError, UnsupportedModelError
 from kimi_k3_serve.models import drafts, gqa_dense, gqa_moe, kimi_k3, mla_moe
 from kimi_k3_serve.models.inventory import ModelInventory
 
-SHIPPED = {"kimi-k3": "kimi-k3.json", "kimi-k3-dspark": "kimi-k3-dspark.json"}
+SHIPPED = {"kimi-k3": "kimi-k3.json", "kimi-k3-dspark": "kimi-k3-dspark.json", "kimi-k3-eagle3": "kimi-k3-eagle3.json"}
+"""``kimi-k3-eagle3`` is an EAGLE3 draft of Kimi-K3's width (LlamaForCausalLMEagle3) for dummy-weight rehearsals."""
 
 _BUILDERS: dict[str, Callable[..., ModelInventory]] = {
     arch: module.build

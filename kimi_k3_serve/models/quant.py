@@ -111,7 +111,9 @@ class QuantScheme:
 
         Under TP without EP vLLM splits the intermediate dim; under EP it places whole experts per rank.
         """
-        quantized = self.quantizes(f"{module}.0.w1")
+        # vLLM matches compressed-tensors targets against the unfused expert names (gate_proj / up_proj /
+        # down_proj), whatever the checkpoint calls them (Kimi-K3: w1 / w3 / w2).
+        quantized = self.quantizes(f"{module}.0.gate_proj")
         wdtype, sdtype, group = self._formats() if quantized else (self.model_dtype, "", 0)
         common = dict(sharding=EXPERT, category=category, count=num_experts)
         out = [

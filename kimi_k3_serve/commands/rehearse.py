@@ -1,0 +1,363 @@
+"""``kimi-k3-serve rehearse``: start vLLM's real engine on dummy weights, exactly as ``serve run`` would configure
+it, and print what vLLM measured per GPU beside the plan's prediction.
+
+Examples:
+  kimi-k3-serve rehearse --config deploy/gpu-rehearsal.yaml            # a deploy config's engine, dummy weights
+  kimi-k3-serve rehearse --config deploy/config.yaml --layers 4 --tp 1 --pp 1   # Kimi-K3's architecture on 1 GPU
+  kimi-k3-serve rehearse --model kimi-k3 --layers 4 --tp 2 --max-model-len 8192 --json
+  kimi-k3-serve rehearse --config deploy/config.yaml --dry-run          # what would start, no GPU needed
+
+The engine kwargs and env are the ones the application builder deploys (``app.engine_kwargs``/``app.env_vars``),
+plus ``load_format: dummy``; limits a config leaves unset are resolved as the Serve replica's vLLM resolves them.
+On one host the engine uses vLLM's multiprocessing executor (``--executor ray`` uses Ray's, on the Ray cluster of
+``RAY_ADDRESS``). ``--layers N`` rehearses the first N layers of a Kimi-K3 (every layer kind kept) and its draft.
+Exit code: 0 vLLM started and generated; 1 it did not (the table says where and why); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kimi_k3_serve.errors import ConfigError
+
+EXIT_STARTED, EXIT_FAILED = 0, 1
+SHIPPED_DRAFTS = {"kimi-k3-dspark", "kimi-k3-eagle3"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser.add_argument("--config", help="a Serve deploy config whose application is kimi_k3_serve.app:build_app")
+    parser.add_argument("--app", default=None, help="the application's name in --config (default: the only one)")
+    parser.add_argument("--model", default=None, help="without --config: kimi-k3, a config.json or a checkpoint folder")
+    parser.add_argument("--tp", type=int, default=None, help="tensor parallel size (overrides --config)")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline parallel size (overrides --config)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="overrides --config (default without it: 4096)")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--kv-cache-dtype", default=None)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON, e.g. \'{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}\'; '
+                             '"none" drops the config\'s draft')
+    parser.add_argument("--engine-kwargs", default=None, help="JSON of extra vLLM engine arguments, merged over the config's")
+    parser.add_argument("--layers", type=int, default=None, help="rehearse a Kimi-K3 slice of this many layers")
+    parser.add_argument("--executor", choices=("mp", "ray"), default="mp", help="vLLM's executor (default mp: one host)")
+    parser.add_argument("--work-dir", default=None, help="where model configs, the spec and the log go (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the engine is stopped (default 1800)")
+    parser.add_argument("--dry-run", action="store_true", help="print the engine kwargs, env and prediction; start nothing")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+# -- the rehearsal's args: a deploy config's, or one made from flags ------------------------------------------------
+
+def _json_flag(text: str | None, flag: str) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(flag, text, f"expected JSON ({exc.msg})") from None
+
+
+def serve_args_of(ns: argparse.Namespace):
+    """The ``ServeArgs`` to rehearse: the deploy config's (or a GPU config made from the flags), flags applied."""
+    from kimi_k3_serve.args import load_args
+
+    if ns.config:
+        from kimi_k3_serve.serve_config import load_serve_app
+
+        raw = load_serve_app(ns.config, app_name=ns.app).args.model_dump(exclude_none=True)
+    else:
+        raw = {"model": {"id": "rehearsal", "source": ns.model or "moonshotai/Kimi-K3"},
+               "accelerator": {"kind": "gpu"}, "limits": {"max_model_len": 4096}}
+    raw["accelerator"] = {**raw.get("accelerator", {}), "kind": "gpu"}
+    parallel = raw.setdefault("parallel", {})
+    if ns.tp is not None:
+        parallel["tensor_parallel_size"] = ns.tp
+    if ns.pp is not None:
+        parallel["pipeline_parallel_size"] = ns.pp
+        if parallel.get("layer_partition") and len(parallel["layer_partition"]) != ns.pp:
+            parallel.pop("layer_partition")
+    limits = raw.setdefault("limits", {})
+    for flag, key in (("max_model_len", "max_model_len"), ("max_num_seqs", "max_num_seqs"),
+                      ("max_num_batched_tokens", "max_num_batched_tokens"),
+                      ("gpu_memory_utilization", "gpu_memory_utilization"), ("kv_cache_dtype", "kv_cache_dtype"),
+                      ("enforce_eager", "enforce_eager")):
+        if getattr(ns, flag) is not None:
+            limits[key] = getattr(ns, flag)
+    if ns.speculative_config is not None:
+        if ns.speculative_config.strip().lower() == "none":
+            raw.pop("speculative", None)
+        else:
+            spec = _json_flag(ns.speculative_config, "--speculative-config")
+            if not isinstance(spec, dict):
+                raise ConfigError("--speculative-config", ns.speculative_config, "expected a JSON object")
+            raw["speculative"] = spec
+    extra = _json_flag(ns.engine_kwargs, "--engine-kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ConfigError("--engine-kwargs", ns.engine_kwargs, "expected a JSON object")
+        raw["engine_kwargs"] = {**raw.get("engine_kwargs", {}), **extra}
+    return load_args(raw, source=ns.config or "rehearse flags")
+
+
+def _model_config(source: str, field: str) -> tuple[dict[str, Any], Path | None]:
+    """(config.json, the folder to load weights/tokenizer from or None for a shipped config) of a source."""
+    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
+    from kimi_k3_serve.commands.render import SHIPPED_MODEL_IDS
+    from kimi_k3_serve.models import SHIPPED, read_config
+
+    name = SHIPPED_MODEL_IDS.get(source, source)
+    if name in SHIPPED or name in SHIPPED_DRAFTS:
+        return read_config(name)[0], None
+    if Path(source).expanduser().is_file() and source.endswith(".json"):  # a bare config.json: enough for dummy weights
+        return read_config(Path(source).expanduser())[0], None
+    path = resolve_source(source, field=field) if source.startswith((CACHE_PREFIX, ".", "/", "~")) else source
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(field, source, "a local checkpoint folder with config.json, or a model whose config ships with "
+                          f"kimi-k3-serve ({', '.join(sorted(SHIPPED_MODEL_IDS))}): the rehearsal reads no model hub")
+    return read_config(folder)[0], folder
+
+
+def materialize_models(args, work: Path, layers: int | None):
+    """Write the target's (and draft's) config.json where vLLM can load them with dummy weights, sliced to ``layers``
+    layers when asked. Returns (args with those folders as sources, target folder, draft folder or None)."""
+    from kimi_k3_serve.rehearsal.slicing import slice_draft_config, slice_text_config
+
+    target, target_dir = _model_config(args.model.source, "args.model.source")
+    draft = draft_dir = None
+    if args.speculative is not None:
+        draft, draft_dir = _model_config(args.speculative.model, "args.speculative.model")
+    if layers is not None:
+        target = slice_text_config(target, layers)
+        target_dir = None
+        if draft is not None:
+            draft = slice_draft_config(draft, layers)
+            draft_dir = None
+    if target_dir is None:
+        target_dir = work / "target"
+        target_dir.mkdir(parents=True, exist_ok=True)
+        (target_dir / "config.json").write_text(json.dumps(target, indent=1))
+    update: dict[str, Any] = {"model": args.model.model_copy(update={"source": str(target_dir)})}
+    if draft is not None:
+        if draft_dir is None:
+            draft_dir = work / "draft"
+            draft_dir.mkdir(parents=True, exist_ok=True)
+            (draft_dir / "config.json").write_text(json.dumps(draft, indent=1))
+        update["speculative"] = args.speculative.model_copy(update={"model": str(draft_dir)})
+    return args.model_copy(update=update), target_dir, draft_dir
+
+
+def engine_of(args, target_dir: Path, draft_dir: Path | None, executor: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """(engine kwargs, env) as the application builder deploys them, for dummy weights."""
+    from kimi_k3_serve.app import engine_kwargs, env_vars
+    from kimi_k3_serve.memory import batch_defaults
+
+    kwargs = engine_kwargs(args, str(draft_dir) if draft_dir else None)
+    kwargs["load_format"] = "dummy"
+    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        kwargs["skip_tokenizer_init"] = True
+    if "max_num_batched_tokens" not in kwargs:  # the Serve replica's vLLM sees no GPU: its fallback, not vllm.LLM's
+        tokens, _ = batch_defaults(0, "", "ray_serve")
+        kwargs["max_num_batched_tokens"] = min(tokens, kwargs["max_num_seqs"] * kwargs["max_model_len"])
+    kwargs["distributed_executor_backend"] = executor
+    return kwargs, env_vars(args)
+
+
+def predict(args, device):
+    """The plan's memory report for these args on ``device`` (a ``RankDevice``)."""
+    from kimi_k3_serve.layout import Layout
+    from kimi_k3_serve.memory import estimate_memory
+    from kimi_k3_serve.preflight import planner_inputs
+
+    model, engine, pins = planner_inputs(args)
+    layout = Layout(tp=pins.tp, pp=pins.pp, ep=bool(pins.ep), dp=pins.dp, layer_partition=pins.layer_partition)
+    return estimate_memory(model, layout, engine, device)
+
+
+# -- the GPUs of this machine ---------------------------------------------------------------------------------------
+
+def local_devices(world: int, dry_run: bool):
+    """(RankDevice for the plan, GPU labels) of the GPUs the engine will use; ConfigError without enough GPUs."""
+    from kimi_k3_serve.hardware import find_gpu_by_device_name, lookup_gpu
+    from kimi_k3_serve.layout import RankDevice
+    from kimi_k3_serve.nvml import local_gpus
+
+    gpus, reason, _ = local_gpus()
+    gpus = visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if not gpus and reason is None:
+        reason = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides every GPU NVML sees"
+    if not gpus:
+        if dry_run:
+            spec = lookup_gpu("H200")
+            return RankDevice(spec.total_bytes, spec.compute_capability, name=spec.name), [f"H200 (declared)"] * world
+        raise ConfigError("rehearse", "no GPU here", f"a machine with an NVIDIA GPU ({reason})")
+    if world > len(gpus):
+        raise ConfigError("args.parallel", f"{world} GPUs (tensor x pipeline parallel)",
+                          f"at most the {len(gpus)} GPU(s) of this machine; use --tp/--pp or --executor ray on a cluster")
+    first = gpus[0]
+    spec = find_gpu_by_device_name(first.name)
+    total = first.total_bytes or (spec.total_bytes if spec else 0)
+    cc = first.compute_capability or (spec.compute_capability if spec else (9, 0))
+    device = RankDevice(total, cc, free_bytes=min(g.free_bytes or total for g in gpus[:world]), name=first.name)
+    return device, [f"GPU {g.index}" for g in gpus[:world]]
+
+
+def visible_gpus(gpus: list, cuda_visible_devices: str | None) -> list:
+    """The GPUs CUDA will show the engine, in CUDA's order: NVML lists every GPU of the machine and ignores
+    ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs, as CUDA reads it: up to the first entry that names no GPU)."""
+    if cuda_visible_devices is None:
+        return list(gpus)
+    out = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        match = next((g for g in gpus if entry == str(g.index) or (entry and g.uuid and g.uuid.startswith(entry))), None)
+        if match is None:
+            break
+        out.append(match)
+    return out
+
+
+class PeakMemory:
+    """NVML's used memory per GPU, sampled every 0.5 s while the engine runs; the peak of each."""
+
+    def __init__(self) -> None:
+        self.peak: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "PeakMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:
+            return
+        while not self._stop.is_set():
+            for i, h in enumerate(handles):
+                try:
+                    used = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+                except Exception:
+                    continue
+                self.peak[i] = max(self.peak.get(i, 0), used)
+            self._stop.wait(0.5)
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+
+def start_engine(spec: dict[str, Any], env: dict[str, str], work: Path, timeout: float, *, progress: bool) -> tuple[int, str, float]:
+    """Run the engine process to its end; returns (exit code, its whole log, seconds)."""
+    from kimi_k3_serve.rehearsal.vllm_log import STEPS, parse_vllm_log
+
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    log_path = work / "vllm.log"
+    child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "VLLM_LOGGING_COLOR": "0"}
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        # Same process group as this command, so whoever stops it stops the engine's processes too.
+        proc = subprocess.Popen([sys.executable, "-m", "kimi_k3_serve.rehearsal.runner", str(spec_path)],
+                                stdout=log, stderr=subprocess.STDOUT, env=child_env)
+        shown = "start"
+        while proc.poll() is None:
+            if time.monotonic() - t0 > timeout:
+                _kill_tree(proc.pid)
+                print(f"rehearse: stopped after {timeout:.0f} s (--timeout)", file=sys.stderr, flush=True)
+                break
+            time.sleep(2)
+            if progress:
+                step = parse_vllm_log(log_path.read_text(errors="replace")).last_step
+                if STEPS.index(step) > STEPS.index(shown):
+                    shown = step
+                    print(f"rehearse: {step} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+        code = proc.wait()
+    return code, log_path.read_text(errors="replace"), time.monotonic() - t0
+
+
+def _kill_tree(pid: int) -> None:
+    """The engine process and everything it started (vLLM's engine core and workers hold the GPUs)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        for child in parent.children(recursive=True):
+            child.kill()
+        parent.kill()
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _marker(text: str, name: str) -> dict[str, Any] | None:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return json.loads(line[len(name) + 1:])
+    return None
+
+
+def run(ns: argparse.Namespace) -> int:
+    from kimi_k3_serve.rehearsal.compare import compare, render_table
+    from kimi_k3_serve.rehearsal.runner import ENGINE_MARKER, FAILED_MARKER, GENERATED_MARKER
+    from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
+
+    if ns.config is None and ns.model is None:
+        ns.model = "moonshotai/Kimi-K3"
+    args = serve_args_of(ns)
+    work = Path(ns.work_dir or tempfile.mkdtemp(prefix="kimi-k3-rehearse-"))
+    work.mkdir(parents=True, exist_ok=True)
+    args, target_dir, draft_dir = materialize_models(args, work, ns.layers)
+    device, labels = local_devices(args.parallel.world_size, ns.dry_run)
+    kwargs, env = engine_of(args, target_dir, draft_dir, ns.executor)
+    report = predict(args, device)
+    result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels,
+                              "plan": {"verdict": report.verdict, "fits": report.fits,
+                                       "safe_gpu_memory_utilization": report.safe_gpu_memory_utilization,
+                                       "max_concurrency": report.max_concurrency, "notes": list(report.notes)}}
+    if ns.dry_run:
+        result["plan"]["ranks"] = [r.to_json() for r in report.ranks]
+        print(json.dumps(result, indent=1) if ns.json else
+              f"would start vLLM with {json.dumps(kwargs)}\nenv {json.dumps(env)}\nplan: {report.verdict} on {len(labels)} GPU(s)")
+        return EXIT_STARTED
+    spec = {"model": str(target_dir), "engine_kwargs": kwargs}
+    with PeakMemory() as peak:
+        code, log, seconds = start_engine(spec, env, work, ns.timeout, progress=not ns.json)
+    reading = parse_vllm_log(log)
+    comparison = compare(report, reading)
+    engine = _marker(log, ENGINE_MARKER)
+    generated = _marker(log, GENERATED_MARKER)
+    failure = _marker(log, FAILED_MARKER)
+    ok = code == 0 and generated is not None
+    result.update(started=ok, exit_code=code, seconds=round(seconds, 1), engine=engine, generated=generated,
+                  failure=failure, reading=reading.to_json(), comparison=comparison.to_json(),
+                  nvml_peak_used_bytes={str(k): v for k, v in sorted(peak.peak.items())}, log=str(work / "vllm.log"))
+    (work / "result.json").write_text(json.dumps(result, indent=1))
+    if ns.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(render_table(comparison, labels))
+        if generated:
+            print(f"generated {generated['tokens']} tokens for {generated['requests']} requests; engine up in "
+                  f"{reading.init_seconds or 0:.0f} s ({seconds:.0f} s in all)")
+        if failure:
+            print(f"vLLM failed: {failure['type']}: {failure['message'][-300:]}")
+        print(f"vLLM log: {work / 'vllm.log'}")
+    return EXIT_STARTED if ok else EXIT_FAILED

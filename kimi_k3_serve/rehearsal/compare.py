@@ -1,0 +1,149 @@
+"""The plan's per-GPU prediction beside what vLLM measured, and both verdicts. Pure.
+
+Rows, per world rank (vLLM's names in brackets):
+- weights: our stage weights + draft [``Model loading took``, which loads the target and the drafter];
+- activation: our profile-run peak [``peak activation`` of the post-warmup summary];
+- non-torch: our post-snapshot non-torch + profiled workspaces [``consumed`` - weights];
+- CUDA graphs: our estimate [``Estimated CUDA graph memory`` (deducted) and the pool actually captured];
+- KV cache: our pool [``Available KV cache memory``].
+The engine row compares max concurrency at max_model_len [``Maximum concurrency for L tokens per request``].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kimi_k3_serve.rehearsal.vllm_log import EngineReading
+from kimi_k3_serve.units import GiB
+
+MEASURED_VERDICT_OF_STEP = {
+    "start": "cannot_start", "load": "oom_at_load", "profile": "no_kv_space", "kv_cache": "oom_at_warmup",
+    "warmup": "oom_at_warmup", "cuda_graphs": "oom_at_warmup", "serving": "fits",
+}
+"""Where an OOM happened -> the verdict it proves (an OOM while profiling leaves no room for the KV cache)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    predicted_bytes: int | None
+    measured_bytes: int | None
+
+    @property
+    def error_bytes(self) -> int | None:
+        if self.predicted_bytes is None or self.measured_bytes is None:
+            return None
+        return self.predicted_bytes - self.measured_bytes
+
+    @property
+    def error_fraction(self) -> float | None:
+        if self.error_bytes is None or not self.measured_bytes:
+            return None
+        return self.error_bytes / self.measured_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "predicted_bytes": self.predicted_bytes, "measured_bytes": self.measured_bytes,
+                "error_bytes": self.error_bytes, "error_fraction": self.error_fraction}
+
+
+@dataclass(frozen=True)
+class RankComparison:
+    rank: int
+    pp_stage: int
+    tp_rank: int
+    rows: tuple[Row, ...]
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "rows": [r.to_json() for r in self.rows]}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    ranks: tuple[RankComparison, ...]
+    predicted_verdict: str
+    measured_verdict: str
+    predicted_concurrency: float
+    measured_concurrency: float | None
+    oom: dict[str, Any] | None
+
+    @property
+    def verdicts_agree(self) -> bool:
+        return self.predicted_verdict == self.measured_verdict
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": [r.to_json() for r in self.ranks], "predicted_verdict": self.predicted_verdict,
+                "measured_verdict": self.measured_verdict, "verdicts_agree": self.verdicts_agree,
+                "predicted_concurrency": self.predicted_concurrency, "measured_concurrency": self.measured_concurrency,
+                "oom": self.oom}
+
+
+def measured_verdict(reading: EngineReading) -> str:
+    if reading.oom is not None:
+        if "less than desired GPU memory utilization" in reading.oom.message:
+            return "cannot_start"
+        if "No available memory for the cache blocks" in reading.oom.message:
+            return "no_kv_space"
+        return MEASURED_VERDICT_OF_STEP[reading.oom.step]
+    if reading.started:
+        return "fits"
+    if any("KV cache" in e and ("needed" in e or "larger than" in e or "not enough" in e.lower()) for e in reading.errors):
+        return "no_kv_space"
+    return "unknown"
+
+
+def compare(report: Any, reading: EngineReading) -> Comparison:
+    """``report``: a ``memory.MemoryReport`` of the same layout and engine settings as the run that ``reading`` read."""
+    ranks = []
+    for r in report.ranks:
+        w = reading.worker_of_rank(r.rank)
+        if w is None and len(report.ranks) == 1 and len(reading.workers) == 1:
+            w = reading.workers[0]
+        get = (lambda name: getattr(w, name)) if w is not None else (lambda name: None)
+        rows = (
+            Row("weights", r.weights_bytes + r.draft_bytes, get("model_load_bytes")),
+            Row("activation", r.activation_bytes, get("peak_activation_bytes")),
+            Row("non_torch", r.non_torch_bytes + r.workspace_bytes, w.non_torch_bytes if w is not None else None),
+            Row("cuda_graph_estimate", r.cuda_graph_bytes, get("cuda_graph_estimate_bytes")),
+            Row("cuda_graph_pool", r.cuda_graph_bytes, get("cuda_graph_actual_bytes")),
+            Row("kv_cache", r.kv_cache_bytes, get("available_kv_bytes")),
+        )
+        ranks.append(RankComparison(r.rank, r.pp_stage, r.tp_rank, rows))
+    return Comparison(
+        ranks=tuple(ranks), predicted_verdict=report.verdict, measured_verdict=measured_verdict(reading),
+        predicted_concurrency=report.max_concurrency, measured_concurrency=reading.max_concurrency,
+        oom=reading.oom.to_json() if reading.oom else None,
+    )
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:,.2f}"
+
+
+def _err(row: Row) -> str:
+    if row.error_bytes is None:
+        return "-"
+    pct = f" ({row.error_fraction * 100:+.1f}%)" if row.error_fraction is not None else ""
+    return f"{row.error_bytes / GiB:+.2f}{pct}"
+
+
+def render_table(comparison: Comparison, gpu_of_rank: Sequence[str] | None = None) -> str:
+    """Per GPU: predicted, measured and error (GiB, and % of measured) for every row."""
+    lines = [f"{'GPU':<10} {'stage':>5}  {'what':<20} {'plan GiB':>10} {'vLLM GiB':>10} {'error GiB':>16}"]
+    for rc in comparison.ranks:
+        gpu = gpu_of_rank[rc.rank] if gpu_of_rank and rc.rank < len(gpu_of_rank) else f"rank {rc.rank}"
+        for i, row in enumerate(rc.rows):
+            lines.append(f"{gpu if i == 0 else '':<10} {rc.pp_stage if i == 0 else '':>5}  {row.name:<20} "
+                         f"{_gib(row.predicted_bytes):>10} {_gib(row.measured_bytes):>10} {_err(row):>16}")
+    conc = "-" if comparison.measured_concurrency is None else f"{comparison.measured_concurrency:.2f}x"
+    lines.append(f"max concurrency: plan {comparison.predicted_concurrency:.2f}x, vLLM {conc}")
+    agree = "agree" if comparison.verdicts_agree else "DISAGREE"
+    lines.append(f"verdict: plan {comparison.predicted_verdict}, vLLM {comparison.measured_verdict} ({agree})")
+    if comparison.oom:
+        o = comparison.oom
+        tried = f", tried to allocate {_gib(o['tried_bytes'])} GiB with {_gib(o['free_bytes'])} GiB free" if o.get("tried_bytes") else ""
+        lines.append(f"vLLM ran out of memory during {o['step']}{tried}")
+    return "\n".join(lines)

@@ -1,0 +1,202 @@
+"""What vLLM 0.32 measured at engine start, read from its log.
+
+Every number here is one vLLM printed. The lines come from (vLLM 0.32 CUDA wheel):
+- ``distributed/parallel_state.py``: "rank R in world size W is assigned as DP rank a, PP rank b, ... TP rank d";
+- ``v1/worker/gpu_model_runner.py`` (and ``gpu/model_runner.py``): "Model loading took X GiB memory";
+- ``v1/worker/gpu_worker.py``: "Available KV cache memory: X GiB" (budget - profiled non-KV - CUDA-graph estimate),
+  and after warmup "Free memory on device (F/T GiB) on startup. Desired GPU memory utilization is (u, R GiB).
+  Actual usage is C GiB for consumed memory (weights + non-torch), P GiB for peak activation, and G GiB for
+  CUDAGraph memory. ... Current kv cache memory in use is K GiB.";
+- ``gpu_model_runner.py``: "Estimated CUDA graph memory: X GiB total", and the worker's "CUDA graph pool memory:
+  A GiB (actual), E GiB (estimated)";
+- ``v1/core/kv_cache_utils.py``: "GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx";
+- ``v1/engine/core.py``: "init engine (profile, create kv cache, warmup model) took S s";
+- torch: "CUDA out of memory. Tried to allocate X GiB. GPU g has a total capacity of T GiB of which F MiB is free".
+vLLM rounds GiB to 2 decimals (``format_gib``), so each value read here is exact to +-0.005 GiB.
+
+A log line carries its process as ``(Worker_PP1_TP0 pid=123)`` (mp executor) or ``(pid=123, ip=...)`` (Ray);
+worker lines are tied to world ranks through the "is assigned as" line of the same pid. Pure: text in, data out.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimi_k3_serve.units import GiB, MiB
+
+STEPS = ("start", "load", "profile", "kv_cache", "warmup", "cuda_graphs", "serving")
+"""The engine start, in order; an OOM is placed in the step whose marker came last before it."""
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PID = re.compile(r"pid=(\d+)")
+_ASSIGNED = re.compile(r"rank (\d+) in world size (\d+) is assigned as DP rank (\d+), PP rank (\d+), (?:PCP rank \d+, )?TP rank (\d+)")
+_LOADED = re.compile(r"Model loading took ([\d.]+) GiB memory")
+_AVAILABLE = re.compile(r"Available KV cache memory: (-?[\d.]+) GiB")
+_CG_ESTIMATE = re.compile(r"Estimated CUDA graph memory: ([\d.]+) GiB total")
+_CG_POOL = re.compile(r"CUDA graph pool memory: ([\d.]+) GiB \(actual\), ([\d.]+) GiB \(estimated\)")
+_CG_CAPTURED = re.compile(r"Graph capturing finished in \d+ secs, took ([\d.]+) GiB")
+_SUMMARY = re.compile(
+    r"Free memory on device \(([\d.]+)/([\d.]+) GiB\) on startup\. Desired GPU memory utilization is \(([\d.]+), ([\d.]+) GiB\)\. "
+    r"Actual usage is ([\d.]+) GiB for consumed memory \(weights \+ non-torch\), ([\d.]+) GiB for peak activation, and "
+    r"([\d.]+) GiB for CUDAGraph memory\..*?Current kv cache memory in use is (-?[\d.]+) GiB")
+_KV_SIZE = re.compile(r"(?:GPU|CUDA)[^:]* KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+_INIT_DONE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)")
+_OOM = re.compile(r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate ([\d.]+) (GiB|MiB|KiB)\.\s*GPU (\d+) has a total capacity of "
+                  r"([\d.]+) (GiB|MiB) of which ([\d.]+) (GiB|MiB|KiB) is free")
+_OOM_PLAIN = re.compile(r"(torch\.OutOfMemoryError|CUDA out of memory|No available memory for the cache blocks|"
+                        r"Free memory on device .* is less than desired GPU memory utilization)")
+_MARKERS = (
+    ("load", re.compile(r"Starting to load model|Loading model from scratch|is assigned as")),
+    ("profile", _LOADED),
+    ("kv_cache", _AVAILABLE),
+    ("warmup", re.compile(r"KV cache size: |Compile and warming up model|JIT kernel warmup starting")),
+    ("cuda_graphs", re.compile(r"Capturing CUDA graphs|Profiling CUDA graph memory: .*capture")),
+    ("serving", _INIT_DONE),
+)
+_UNITS = {"GiB": GiB, "MiB": MiB, "KiB": 1024}
+
+
+def _gib(text: str) -> int:
+    return round(float(text) * GiB)
+
+
+@dataclass(frozen=True)
+class WorkerReading:
+    """One worker's numbers, as vLLM logged them (bytes; None where the log has no such line)."""
+
+    pid: int
+    rank: int | None = None
+    pp_rank: int | None = None
+    tp_rank: int | None = None
+    model_load_bytes: int | None = None
+    available_kv_bytes: int | None = None
+    cuda_graph_estimate_bytes: int | None = None
+    cuda_graph_actual_bytes: int | None = None
+    free_at_start_bytes: int | None = None
+    total_bytes: int | None = None
+    requested_bytes: int | None = None
+    consumed_bytes: int | None = None
+    peak_activation_bytes: int | None = None
+    kv_in_use_bytes: int | None = None
+
+    @property
+    def non_torch_bytes(self) -> int | None:
+        """Post-snapshot memory that is not weights: ``consumed`` is weights + non-torch growth (gpu_worker.py)."""
+        if self.consumed_bytes is None or self.model_load_bytes is None:
+            return None
+        return self.consumed_bytes - self.model_load_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["non_torch_bytes"] = self.non_torch_bytes
+        return out
+
+
+@dataclass(frozen=True)
+class OomEvent:
+    """An out-of-memory error and the engine-start step it happened in."""
+
+    step: str
+    pid: int | None
+    tried_bytes: int | None
+    free_bytes: int | None
+    device_index: int | None
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """What the engine as a whole logged: the KV cache it settled on (min over ranks), and how its start ended."""
+
+    workers: tuple[WorkerReading, ...]
+    kv_cache_tokens: int | None = None
+    max_model_len: int | None = None
+    max_concurrency: float | None = None
+    init_seconds: float | None = None
+    last_step: str = "start"
+    oom: OomEvent | None = None
+    errors: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def started(self) -> bool:
+        return self.init_seconds is not None and self.oom is None
+
+    def worker_of_rank(self, rank: int) -> WorkerReading | None:
+        return next((w for w in self.workers if w.rank == rank), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workers": [w.to_json() for w in self.workers], "kv_cache_tokens": self.kv_cache_tokens,
+            "max_model_len": self.max_model_len, "max_concurrency": self.max_concurrency, "init_seconds": self.init_seconds,
+            "last_step": self.last_step, "started": self.started, "oom": self.oom.to_json() if self.oom else None,
+            "errors": list(self.errors),
+        }
+
+
+def parse_vllm_log(text: str) -> EngineReading:
+    """Read a vLLM 0.32 engine start (stdout and stderr together) into per-worker and engine numbers."""
+    workers: dict[int, dict[str, Any]] = {}
+    order: list[int] = []
+    engine: dict[str, Any] = {}
+    step_index = 0
+    oom: OomEvent | None = None
+    errors: list[str] = []
+
+    def worker(pid: int | None) -> dict[str, Any]:
+        key = pid if pid is not None else -1
+        if key not in workers:
+            workers[key] = {"pid": key}
+            order.append(key)
+        return workers[key]
+
+    for raw in text.splitlines():
+        line = _ANSI.sub("", raw)
+        pids = _PID.findall(line)
+        pid = int(pids[-1]) if pids else None
+        for i, (_, pattern) in enumerate(_MARKERS, start=1):
+            if i > step_index and pattern.search(line):
+                step_index = i
+        if m := _ASSIGNED.search(line):
+            worker(pid).update(rank=int(m[1]), pp_rank=int(m[4]), tp_rank=int(m[5]))
+        elif m := _LOADED.search(line):
+            worker(pid)["model_load_bytes"] = _gib(m[1])
+        elif m := _AVAILABLE.search(line):
+            worker(pid)["available_kv_bytes"] = _gib(m[1])
+        elif m := _CG_ESTIMATE.search(line):
+            worker(pid)["cuda_graph_estimate_bytes"] = _gib(m[1])
+        elif m := _CG_POOL.search(line):
+            worker(pid).update(cuda_graph_actual_bytes=_gib(m[1]), cuda_graph_estimate_bytes=_gib(m[2]))
+        elif m := _CG_CAPTURED.search(line):
+            worker(pid).setdefault("cuda_graph_actual_bytes", _gib(m[1]))
+        elif m := _SUMMARY.search(line):
+            worker(pid).update(free_at_start_bytes=_gib(m[1]), total_bytes=_gib(m[2]), requested_bytes=_gib(m[4]),
+                               consumed_bytes=_gib(m[5]), peak_activation_bytes=_gib(m[6]),
+                               cuda_graph_actual_bytes=_gib(m[7]), kv_in_use_bytes=_gib(m[8]))
+        elif m := _KV_SIZE.search(line):
+            engine.setdefault("kv_cache_tokens", int(m[1].replace(",", "")))
+            engine.setdefault("max_model_len", int(m[2].replace(",", "")))
+            engine.setdefault("max_concurrency", float(m[3]))
+        elif m := _INIT_DONE.search(line):
+            engine["init_seconds"] = float(m[1])
+        if oom is None and _OOM_PLAIN.search(line):
+            detail = _OOM.search(line)
+            step = STEPS[step_index]
+            oom = OomEvent(
+                step=step, pid=pid,
+                tried_bytes=round(float(detail[1]) * _UNITS[detail[2]]) if detail else None,
+                free_bytes=round(float(detail[6]) * _UNITS[detail[7]]) if detail else None,
+                device_index=int(detail[3]) if detail else None,
+                message=line.strip()[-400:],
+            )
+        elif ("Error" in line or "error:" in line) and ("Traceback" not in line) and len(errors) < 20:
+            stripped = line.strip()
+            if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", stripped) or "ERROR" in line:
+                errors.append(stripped[-300:])
+    readings = tuple(WorkerReading(**workers[k]) for k in order if k != -1 or len(workers[k]) > 1)
+    readings = tuple(sorted(readings, key=lambda w: (w.rank is None, w.rank if w.rank is not None else 0, w.pid)))
+    return EngineReading(workers=readings, last_step=STEPS[step_index], oom=oom, errors=tuple(errors), **engine)

@@ -1,0 +1,166 @@
+"""The rehearsal matrix for the GPU host: many ``kimi-k3-serve rehearse`` runs, packed onto the host's GPUs.
+
+Each job is one rehearsal (dummy weights) with its own work folder under ``--work`` (spec, vLLM's whole log,
+result.json with the plan's prediction and vLLM's measurement). One-GPU jobs run side by side, one per GPU;
+two-GPU jobs take both. A job starts only if its expected time fits before ``--deadline`` seconds; running jobs
+are stopped at the deadline (their logs are kept and say where they were). After every job the folder is packed
+into ``--out/<name>.tar.gz``, so what finished comes back even if the call is cut short.
+
+    python scripts/gpu/matrix.py --set tp1 --deadline 520 --work /var/tmp/kk3-runs --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+DSPARK = '{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}'
+EAGLE3 = '{"method": "eagle3", "model": "kimi-k3-eagle3", "num_speculative_tokens": 3}'
+KIMI = ["--model", "moonshotai/Kimi-K3", "--engine-kwargs", '{"moe_backend": "marlin", "attention_backend": "FLASHMLA"}']
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    gpus: int
+    expected_s: float
+    args: tuple[str, ...]
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+def kimi(name: str, layers: int, *, tp: int = 1, pp: int = 1, tokens: int = 2048, seqs: int = 256, util: float = 0.92,
+         draft: str | None = DSPARK, kv: str = "auto", max_len: int = 8192, expected_s: float = 150, extra=()) -> Job:
+    args = [*KIMI, "--layers", str(layers), "--tp", str(tp), "--pp", str(pp), "--max-num-batched-tokens", str(tokens),
+            "--max-num-seqs", str(seqs), "--gpu-memory-utilization", str(util), "--kv-cache-dtype", kv,
+            "--max-model-len", str(max_len), "--speculative-config", draft or "none", *extra]
+    return Job(name, tp * pp, expected_s, tuple(args), ("kimi",))
+
+
+def other(name: str, config: str, *, tokens: int = 2048, seqs: int = 256, util: float = 0.92, expected_s: float = 120) -> Job:
+    args = ["--model", str(CONFIGS / config), "--max-model-len", "8192", "--max-num-batched-tokens", str(tokens),
+            "--max-num-seqs", str(seqs), "--gpu-memory-utilization", str(util)]
+    return Job(name, 1, expected_s, tuple(args), ("other",))
+
+
+SETS: dict[str, list[Job]] = {
+    # One GPU each, two at a time on a 2-GPU host. The first starts alone (FlashInfer builds its kernels once).
+    "tp1": [
+        kimi("k4-tp1-serve-defaults-dspark", 4, expected_s=300),
+        kimi("k4-tp1-llm-defaults-b16384-s1024", 4, tokens=16384, seqs=1024),
+        kimi("k8-tp1-b2048-s256-eagle3", 8, draft=EAGLE3),
+        kimi("k4-tp1-b8192-s256-u080", 4, tokens=8192, util=0.80),
+        kimi("k4-tp1-b2048-s256-fp8kv", 4, kv="fp8"),
+        kimi("k8-tp1-b16384-s1024-u080", 8, tokens=16384, seqs=1024, util=0.80),
+        other("llama-3.1-8b-tp1", "llama-3.1-8b.json"),
+        other("qwen3-30b-a3b-tp1", "qwen3-30b-a3b.json"),
+        other("deepseek-v2-lite-tp1", "deepseek-v2-lite.json"),
+        kimi("k4-tp1-b8192-s1024-nodraft", 4, tokens=8192, seqs=1024, draft=None),
+        kimi("k8-tp1-b2048-s1024-u080-dspark", 8, seqs=1024, util=0.80),
+    ],
+    # Both GPUs of the host.
+    "tp2": [
+        kimi("k4-tp2-serve-defaults-dspark", 4, tp=2, expected_s=300),
+        kimi("k4-pp2-serve-defaults-dspark", 4, pp=2, expected_s=300),
+        kimi("k8-tp2-b8192-s1024-u092-eagle3", 8, tp=2, tokens=8192, seqs=1024, draft=EAGLE3, expected_s=300),
+        kimi("k8-pp2-b2048-s256-u080-fp8kv", 8, pp=2, util=0.80, kv="fp8", expected_s=300),
+    ],
+}
+
+
+def pack(work: Path, out: Path, name: str) -> None:
+    """Every job folder's log, result and stdout into one archive (what comes back from the host)."""
+    target = out / f"{name}.tar.gz"
+    tmp = target.with_suffix(".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for job_dir in sorted(p for p in work.iterdir() if p.is_dir()):
+            for f in ("vllm.log", "result.json", "stdout.json", "stderr.txt", "spec.json", "job.json"):
+                if (job_dir / f).is_file():
+                    tar.add(job_dir / f, arcname=f"{job_dir.name}/{f}")
+    tmp.replace(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=sorted(SETS), required=True)
+    parser.add_argument("--deadline", type=float, required=True, help="seconds from now when everything must be done")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all NVML sees)")
+    parser.add_argument("--only", nargs="*", default=None, help="job names to run (default: the whole set)")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    end = start + args.deadline
+    if args.gpus is None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        args.gpus = pynvml.nvmlDeviceGetCount()
+    jobs = [j for j in SETS[args.set] if j.gpus <= args.gpus and (args.only is None or j.name in args.only)]
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    free = list(range(args.gpus))
+    running: dict[str, tuple[subprocess.Popen, list[int], float, Path]] = {}
+    first_done = False
+    summary = []
+    while jobs or running:
+        now = time.monotonic()
+        for name, (proc, gpus, t0, job_dir) in list(running.items()):
+            timed_out = now > end - 5
+            if proc.poll() is None and not timed_out:
+                continue
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            code = proc.returncode
+            (job_dir / "job.json").write_text(json.dumps({"name": name, "exit_code": code, "seconds": round(now - t0, 1),
+                                                         "stopped_at_deadline": timed_out}))
+            summary.append(f"{name}: exit {code} after {now - t0:.0f} s{' (stopped at the deadline)' if timed_out else ''}")
+            print(summary[-1], flush=True)
+            free.extend(gpus)
+            del running[name]
+            first_done = True
+            pack(args.work, args.out, f"rehearse-{args.set}")
+        if not first_done and running:
+            time.sleep(2)
+            continue
+        for job in list(jobs):
+            if len(free) < job.gpus:
+                continue
+            if time.monotonic() + job.expected_s > end:
+                jobs.remove(job)
+                summary.append(f"{job.name}: not started (expected {job.expected_s:.0f} s, {end - time.monotonic():.0f} s left)")
+                print(summary[-1], flush=True)
+                continue
+            gpus = [free.pop(0) for _ in range(job.gpus)]
+            job_dir = args.work / job.name
+            job_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+            cmd = [sys.executable, "-m", "kimi_k3_serve.cli", "rehearse", *job.args, "--json", "--work-dir", str(job_dir),
+                   "--timeout", str(max(30, end - time.monotonic() - 10))]
+            (job_dir / "job.json").write_text(json.dumps({"name": job.name, "command": cmd, "gpus": gpus}))
+            with open(job_dir / "stdout.json", "w") as out, open(job_dir / "stderr.txt", "w") as err:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True)
+            running[job.name] = (proc, gpus, time.monotonic(), job_dir)
+            jobs.remove(job)
+            print(f"{job.name}: started on GPU {gpus} at {time.monotonic() - start:.0f} s", flush=True)
+            if not first_done:
+                break
+        if not running and jobs and not free:
+            break
+        time.sleep(2)
+    pack(args.work, args.out, f"rehearse-{args.set}")
+    print("\n".join(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Every GPU step of the project, for the H200 host (vLLM 0.32 CUDA + Ray 2.60 from the offline bundle).
+#
+#   . /var/tmp/stash/host_setup.sh /var/tmp/stash        # once per host: installs the bundle, sets PYTHONPATH/NCCL env
+#   bash scripts/gpu/run_all.sh PHASE [SECONDS]           # from the repository root; results land in $OUT (or ./gpu-out)
+#
+# Phases (each fits one 10-minute call; SECONDS is its deadline, default 540):
+#   matrix-tp1     rehearsals on one GPU each, side by side (Kimi-K3 slices, Llama-3.1-8B, Qwen3-30B-A3B, DeepSeek-V2-Lite)
+#   tests-rehearse the GPU tests that rehearse a Kimi-K3 slice on one GPU and on two (pytest -m gpu -k rehearse)
+#   matrix-tp2     rehearsals on both GPUs (TP2, and PP2 on one node)
+#   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes + the NCCL test (pytest -m gpu -k "serve or nccl")
+#   all            every phase in turn (a host without the 10-minute limit)
+# Each phase writes $OUT/<phase>.log and $OUT/<phase>.tar.gz (logs, readings, results), and $OUT/host.json once.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root"
+phase="${1:?usage: run_all.sh PHASE [SECONDS]}"
+deadline="${2:-540}"
+out="${OUT:-$root/gpu-out}"
+mkdir -p "$out"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export KIMI_K3_SERVE_MODEL_CACHE="${KIMI_K3_SERVE_MODEL_CACHE:-/var/tmp/kk3-models}"
+export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 NO_COLOR=1 VLLM_LOGGING_COLOR=0
+runs=/var/tmp/kk3-runs
+mkdir -p "$runs"
+started=$(date +%s)
+
+host_info() {
+  [ -f "$runs/host.json" ] && { cp "$runs/host.json" "$out/"; return; }
+  python3 - "$runs/host.json" <<'PY'
+import json, subprocess, sys, platform
+import torch, vllm, ray
+from kimi_k3_serve.nvml import take_readings
+info = {"date": __import__("datetime").datetime.utcnow().isoformat() + "Z", "python": platform.python_version(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "vllm": vllm.__version__, "ray": ray.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "nvml": take_readings(),
+        "torch_devices": [{"name": torch.cuda.get_device_name(i), "total_bytes": torch.cuda.mem_get_info(i)[1]}
+                          for i in range(torch.cuda.device_count())]}
+info["nvidia_smi"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout
+json.dump(info, open(sys.argv[1], "w"), indent=1)
+print({k: v for k, v in info.items() if k not in ("nvml", "nvidia_smi")})
+PY
+  cp "$runs/host.json" "$out/"
+}
+
+make_models() {
+  python3 scripts/make_kimi_slice.py --layers 4 --out "$KIMI_K3_SERVE_MODEL_CACHE"
+}
+
+left() { echo $(( deadline - ($(date +%s) - started) )); }
+
+pack() {  # pack DIR into $out/$phase.tar.gz
+  tar -czf "$out/$phase.tar.gz" -C "$(dirname "$1")" "$(basename "$1")" 2>/dev/null || true
+}
+
+run_phase() {
+  case "$1" in
+    matrix-tp1) python3 scripts/gpu/matrix.py --set tp1 --deadline "$(left)" --work "$runs/tp1" --out "$out" ;;
+    matrix-tp2) python3 scripts/gpu/matrix.py --set tp2 --deadline "$(left)" --work "$runs/tp2" --out "$out" ;;
+    tests-rehearse|tests-serve)
+      local k="rehearse"; [ "$1" = tests-serve ] && k="serve or nccl"
+      export KIMI_K3_SERVE_GPU_OUT="$runs/$1"
+      mkdir -p "$KIMI_K3_SERVE_GPU_OUT"
+      timeout "$(( $(left) - 10 ))" python3 -m pytest -m gpu tests/test_gpu.py -k "$k" -v -s -p no:cacheprovider \
+        --junitxml="$KIMI_K3_SERVE_GPU_OUT/junit.xml" 2>&1 | tee "$KIMI_K3_SERVE_GPU_OUT/pytest.log" | tail -80
+      pack "$KIMI_K3_SERVE_GPU_OUT" ;;
+    *) echo "unknown phase $1"; return 2 ;;
+  esac
+}
+
+{
+  echo "== $phase on $(hostname) at $(date -u +%FT%TZ), deadline ${deadline} s"
+  host_info
+  make_models
+  if [ "$phase" = all ]; then
+    for p in matrix-tp1 tests-rehearse matrix-tp2 tests-serve; do phase=$p; deadline=100000; run_phase "$p"; done
+  else
+    run_phase "$phase"
+  fi
+  echo "== done in $(( $(date +%s) - started )) s"
+} 2>&1 | tee "$out/$phase.log"

@@ -1,0 +1,230 @@
+"""GPU tests: the product's GPU path on real H200s (vLLM 0.32 CUDA, Ray 2.60). They skip, saying why, where NVML
+sees no GPU (CI is CPU-only); scripts/gpu/run_all.sh runs them on the GPU host.
+
+- rehearse a Kimi-K3 slice (every layer kind, MXFP4 experts, DSpark draft) on one GPU and on two (TP2);
+- ``serve run deploy/gpu-rehearsal.yaml`` across two Ray nodes (two raylets, one GPU each): TP1 x PP2, DSpark on
+  the last stage, the replica check on the reserved placement group (NVML -> Ray GPU ids, bundle order, NCCL across
+  the nodes), the OpenAI API with the stock client, and vLLM's stage 1 on the node the plan chose;
+- the NCCL smoke test across two nodes, and its message when the second node's GPU is gone.
+
+Logs and readings go to ``$KIMI_K3_SERVE_GPU_OUT`` (default: a temp folder), to be kept as dated fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_count() -> tuple[int, str]:
+    from kimi_k3_serve.nvml import local_gpus
+
+    gpus, reason, _ = local_gpus()
+    return len(gpus), reason or ""
+
+
+GPUS, NO_GPU_REASON = _gpu_count()
+OUT = Path(os.environ.get("KIMI_K3_SERVE_GPU_OUT") or tempfile.mkdtemp(prefix="kk3-gpu-"))
+MODEL_CACHE = Path(os.environ.get("KIMI_K3_SERVE_MODEL_CACHE", REPO_ROOT / ".cache" / "tiny-models"))
+
+
+def need_gpus(n: int) -> None:
+    if GPUS < n:
+        pytest.skip(f"needs {n} NVIDIA GPU(s); this machine has {GPUS} ({NO_GPU_REASON or 'too few'})")
+
+
+@pytest.fixture(scope="module")
+def kimi_slice() -> Path:
+    """The servable Kimi-K3 slice and its drafts in the model cache (configs and a tokenizer; weights are dummy)."""
+    need_gpus(1)
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_kimi_slice.py"), "--layers", "4", "--out",
+                    str(MODEL_CACHE)], check=True)
+    os.environ["KIMI_K3_SERVE_MODEL_CACHE"] = str(MODEL_CACHE)
+    return MODEL_CACHE
+
+
+def rehearse(name: str, *flags: str, timeout: float = 900) -> dict:
+    work = OUT / name
+    cmd = [sys.executable, "-m", "kimi_k3_serve.cli", "rehearse", "--config", str(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml"),
+           *flags, "--json", "--work-dir", str(work), "--timeout", str(timeout)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=timeout + 120)
+    (work / "stderr.txt").write_text(done.stderr)
+    assert done.stdout.strip(), f"rehearse printed nothing (exit {done.returncode}): {done.stderr[-2000:]}"
+    result = json.loads(done.stdout)
+    result["exit_code"] = done.returncode
+    return result
+
+
+def assert_rehearsal_matches_plan(result: dict) -> None:
+    assert result["exit_code"] == 0, (result.get("failure"), result["reading"]["oom"], result["reading"]["errors"][-3:])
+    assert result["generated"]["tokens"] > 0
+    comparison = result["comparison"]
+    assert comparison["measured_verdict"] == "fits" and comparison["verdicts_agree"], comparison
+    for rank in comparison["ranks"]:
+        weights = next(r for r in rank["rows"] if r["name"] == "weights")
+        # vLLM prints GiB to 2 decimals: +-0.005 GiB is its resolution.
+        assert abs(weights["error_bytes"]) <= max(0.005 * weights["measured_bytes"], 0.006 * 2**30), weights
+
+
+def test_rehearse_kimi_slice_on_one_gpu(kimi_slice) -> None:
+    need_gpus(1)
+    result = rehearse("rehearse-tp1-pp1", "--tp", "1", "--pp", "1")
+    assert_rehearsal_matches_plan(result)
+    assert result["engine"]["max_num_batched_tokens"] == 2048  # the Serve replica's fallback, passed explicitly
+
+
+def test_rehearse_kimi_slice_on_two_gpus(kimi_slice) -> None:
+    need_gpus(2)
+    result = rehearse("rehearse-tp2", "--tp", "2", "--pp", "1")
+    assert_rehearsal_matches_plan(result)
+    assert len(result["reading"]["workers"]) == 2
+
+
+# -- two Ray nodes on one host --------------------------------------------------------------------------------------
+
+def start_two_node_cluster(second_gpu: str = "1"):
+    """``ray.cluster_utils.Cluster`` with two raylets of one GPU each; each raylet's CUDA_VISIBLE_DEVICES names its
+    own GPU, so Ray sees two nodes and a PP2 placement group spans both, as on two machines."""
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
+    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 8, "num_gpus": 1, "include_dashboard": False, "node_ip_address": "127.0.0.1",
+        "temp_dir": temp_dir, "env_vars": {**env, "CUDA_VISIBLE_DEVICES": "0"}})
+    second = cluster.add_node(num_cpus=8, num_gpus=1, node_ip_address="127.0.0.1",
+                              env_vars={**env, "CUDA_VISIBLE_DEVICES": second_gpu})
+    cluster.wait_for_nodes()
+    return cluster, second, temp_dir
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    need_gpus(2)
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    cluster, second, temp_dir = start_two_node_cluster()
+    try:
+        yield cluster, second, temp_dir
+    finally:
+        cluster.shutdown()
+
+
+def _get(url: str, timeout: float = 5) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status
+    except Exception:
+        return 0
+
+
+def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
+    import openai
+    import ray
+    from ray.util.state import list_actors
+
+    cluster, second, temp_dir = two_nodes
+    out = OUT / "serve-two-nodes"
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "KIMI_K3_SERVE_MODEL_CACHE": str(kimi_slice)}
+    log = open(out / "serve-run.log", "w")
+    started = time.monotonic()
+    # `serve run`, Ray's own CLI (its click group, so no console script is needed on the host's PATH).
+    serve = subprocess.Popen([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run",
+                              str(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml")],
+                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
+    base = "http://127.0.0.1:8000"
+    try:
+        while _get(f"{base}/v1/models") != 200:
+            assert serve.poll() is None, f"serve run exited with {serve.returncode}: {(out / 'serve-run.log').read_text()[-3000:]}"
+            assert time.monotonic() - started < 900, "the application did not answer /v1/models in 900 s"
+            time.sleep(5)
+        ready_s = time.monotonic() - started
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        models = client.models.list()
+        assert [m.id for m in models.data] == ["kimi-k3-slice"]
+        completion = client.completions.create(model="kimi-k3-slice", prompt="Hello", max_tokens=8)
+        assert completion.usage.completion_tokens == 8
+        chat = client.chat.completions.create(model="kimi-k3-slice", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+        assert chat.choices[0].message.content is not None
+        stream = client.chat.completions.create(model="kimi-k3-slice", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=8, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+        with ThreadPoolExecutor(16) as pool:
+            done = list(pool.map(lambda i: client.completions.create(model="kimi-k3-slice", prompt=f"request {i}",
+                                                                     max_tokens=16), range(16)))
+        assert all(c.usage.completion_tokens == 16 for c in done)
+
+        # vLLM's stage 1 runs on the node the replica check chose for the last stage.
+        ray.init(address=cluster.address, ignore_reinit_error=True, log_to_driver=False)
+        workers = {a.pid: a.node_id for a in list_actors(filters=[("class_name", "=", "RayWorkerWrapper"), ("state", "=", "ALIVE")])}
+        logs = "\n".join(p.read_text(errors="replace") for p in Path(temp_dir).glob("session_*/logs/**/*")
+                         if p.is_file() and p.suffix in (".log", ".out", ".err"))
+        chosen = re.search(r"VLLM_RAY_BUNDLE_INDICES=[\d,]+ \(last stage on node (\w+)\)", logs)
+        assert chosen, "the replica check's bundle-order line is not in the logs"
+        stage1_pid = None
+        for path in Path(temp_dir).glob("session_*/logs/worker-*"):
+            if re.search(r"is assigned as DP rank 0, PP rank 1,", path.read_text(errors="replace")):
+                stage1_pid = int(path.stem.rsplit("-", 1)[-1])
+        assert stage1_pid in workers, (stage1_pid, workers)
+        assert workers[stage1_pid] == chosen[1], f"stage 1 on {workers[stage1_pid]}, the plan chose {chosen[1]}"
+        assert "communication: nccl all-reduce and stage-to-stage send/recv across 2 nodes" in logs
+        ray.shutdown()
+        (out / "readings.json").write_text(json.dumps({
+            "ready_seconds": round(ready_s, 1), "workers": {str(k): v for k, v in workers.items()},
+            "stage1_pid": stage1_pid, "planned_last_stage_node": chosen[1],
+            "replica_check": re.findall(r"replica check: .*", logs)[:12]}, indent=1))
+    finally:
+        os.killpg(serve.pid, 2)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, 9)
+        log.close()
+        for p in Path(temp_dir).glob("session_*/logs/serve/*.log"):
+            (out / p.name).write_text(p.read_text(errors="replace")[-400_000:])
+
+
+def _comm_test_on(cluster) -> str:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from kimi_k3_serve.replica import comm_smoke_test
+
+    ray.init(address=cluster.address, ignore_reinit_error=True, log_to_driver=False)
+    pg = placement_group([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], strategy="STRICT_SPREAD")
+    ray.get(pg.ready(), timeout=60)
+    try:
+        return comm_smoke_test(pg, [0, 1], ["node-a", "node-b"], backend="nccl", timeout_s=60)
+    finally:
+        remove_placement_group(pg)
+        ray.shutdown()
+
+
+def test_nccl_smoke_test_fails_clearly_without_the_second_gpu() -> None:
+    """The second raylet claims a GPU that is not there (its CUDA_VISIBLE_DEVICES names no device)."""
+    from kimi_k3_serve.replica import ReplicaCheckError
+
+    need_gpus(1)
+    cluster, _, _ = start_two_node_cluster(second_gpu="7")
+    try:
+        started = time.monotonic()
+        with pytest.raises(ReplicaCheckError, match=r"nccl smoke test between the nodes node-a -> node-b failed") as info:
+            _comm_test_on(cluster)
+        (OUT / "nccl-gpu-missing.txt").write_text(f"{time.monotonic() - started:.1f} s\n{info.value}\n")
+    finally:
+        cluster.shutdown()
