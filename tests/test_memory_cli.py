@@ -106,3 +106,53 @@ def test_core_imports_no_torch_vllm_or_ray() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# --- no --max-model-len: the model config's length, capped at the longest that fits this layout ---------------
+
+
+def _kimi_length() -> int:
+    from kimi_k3_serve.models import load_model
+
+    return load_model("kimi-k3").max_position_embeddings
+
+
+def test_without_max_model_len_the_model_config_length_is_used_when_it_fits(capsys) -> None:
+    code, out, _ = run_cli(capsys, "--gpu", "H200", "--tp", "8", "--pp", "2")
+    assert code == 0
+    assert out.splitlines()[0] == f"max_model_len: {_kimi_length():,} (model config)"
+    assert f"engine: max_model_len {_kimi_length():,}," in out
+
+
+def test_without_max_model_len_the_length_is_capped_at_the_longest_that_fits(capsys) -> None:
+    layout = ("--gpu", "H200", "--tp", "8", "--pp", "2", "--gpu-memory-utilization", "0.8")
+    code, out, _ = run_cli(capsys, *layout, "--json")
+    assert code == 0
+    data = json.loads(out)
+    choice = data["max_model_len_choice"]
+    length = choice["max_model_len"]
+    assert choice["source"] == "longest that fits" and 0 < length < _kimi_length() and length % 1024 == 0
+    assert data["engine"]["max_model_len"] == length and data["fits"] is True
+    code, out, _ = run_cli(capsys, *layout)
+    assert code == 0
+    assert out.splitlines()[0] == (f"max_model_len: {_kimi_length():,} (model config) does not fit; using {length:,}, "
+                                   "the longest that fits (in steps of 1,024 tokens; pass --max-model-len to choose)")
+    # One step longer does not fit: the length is the longest, not just one that fits.
+    code, out, _ = run_cli(capsys, *layout, "--max-model-len", str(length + 1024))
+    assert code == 1 and out.splitlines()[0] == f"max_model_len: {length + 1024:,} (--max-model-len)"
+
+
+def test_without_max_model_len_a_layout_too_small_at_any_length_exits_1(capsys) -> None:
+    code, out, _ = run_cli(capsys, "--gpu", "H200", "--tp", "8")
+    assert code == 1
+    assert out.splitlines()[0].endswith("does not fit, and neither does 1,024, the shortest tried")
+    assert "DOES NOT FIT" in out
+
+
+def test_unknown_gpu_lists_the_catalogue(capsys) -> None:
+    from kimi_k3_serve.hardware import gpu_names
+
+    code, _, err = run_cli(capsys, "--gpu", "H2O", "--tp", "8")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: --gpu: got 'H2O'; expected one of ")
+    assert all(name in err for name in gpu_names())

@@ -29,7 +29,19 @@ ACCELERATOR_HINT = 0.001
 """What Ray Serve LLM 2.60 asks of ``accelerator_type:<T>`` in every bundle."""
 
 
+EXAMPLES = """\
+examples:
+  kimi-k3-serve check --config deploy/config.yaml --cluster cluster_configs/aws-h200-p5en.yaml
+  kimi-k3-serve check --config deploy/config.yaml --address HEAD:6379 --json      # a running cluster
+  kimi-k3-serve check --config deploy/config-b200.yaml --cluster cluster_configs/aws-b200-p6.yaml --plot fit.png
+
+exit codes: 0 fits, 1 does not fit, 2 bad input
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
     parser.add_argument("--config", required=True, help="Serve config file (deploy/*.yaml) using kimi_k3_serve.app:build_app")
     parser.add_argument("--app", help="the application's name when the file has several using this builder")
     where = parser.add_mutually_exclusive_group(required=True)

@@ -2,7 +2,8 @@
 
 Prints a per-stage table (GiB), the verdict with each short rank's shortfall, max concurrency, which
 numbers are estimates (marked ``*``, with margins) and the time taken; ``--json`` prints the report as
-JSON instead. Exit code 0: fits; 1: does not fit; 2: bad input.
+JSON instead. Without ``--max-model-len`` the model config's length is used, capped at the longest that fits
+this layout (the line ``max_model_len: ...`` says which and why). Exit code 0: fits; 1: does not fit; 2: bad input.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
+from kimi_k3_serve.commands.lengths import given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.hardware import gpu_names, lookup_gpu
 from kimi_k3_serve.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, EngineSettings, Layout, RankDevice, SpeculativeSettings
@@ -59,7 +62,19 @@ def _capability(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR such as 9.0, got {text!r}") from None
 
 
+EXAMPLES = """\
+examples:
+  kimi-k3-serve memory --gpu H200 --tp 8 --pp 2                           # longest max_model_len that fits
+  kimi-k3-serve memory --gpu B200 --tp 8 --pp 2 --max-model-len 262144 --json
+  kimi-k3-serve memory --gpu-bytes 150000000000 --tp 8 --pp 2 --max-model-len 32768
+
+exit codes: 0 fits, 1 does not fit, 2 bad input
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
     parser.add_argument("--model", default="kimi-k3",
                         help="kimi-k3 (shipped config), a config.json path or a checkpoint folder (default: kimi-k3)")
     gpu = parser.add_mutually_exclusive_group(required=True)
@@ -73,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=_positive_int, default=1, help="data parallel size")
     parser.add_argument("--dcp", type=_positive_int, default=1, help="decode context parallel size")
     parser.add_argument("--layer-partition", type=_partition, default=None, help="layers per PP stage, e.g. 47,46")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="default: the model's max_position_embeddings")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt plus output, in tokens (default: the model config's max_position_embeddings, "
+                             "capped at the longest that fits this layout)")
     parser.add_argument("--max-num-seqs", type=_positive_int, default=None, help="default: vLLM 0.32's for the GPU")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="default: vLLM 0.32's for the GPU")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
@@ -157,9 +173,7 @@ def _run(args: argparse.Namespace) -> int:
         device = RankDevice(args.gpu_bytes, args.compute_capability or (9, 0), name="")
         gpu_label = f"{fmt_gib(args.gpu_bytes)} GPU"
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, dcp=args.dcp, layer_partition=args.layer_partition)
-    max_len = args.max_model_len or model.max_position_embeddings
-    if not max_len:
-        raise ConfigError("--max-model-len", None, "the model config has no max_position_embeddings: pass --max-model-len")
+    max_len = args.max_model_len or model_config_length(model)
     engine = EngineSettings(
         max_model_len=max_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -167,6 +181,12 @@ def _run(args: argparse.Namespace) -> int:
         speculative=_speculative(args.speculative_config, args.tp), language_model_only=args.language_model_only,
         enforce_eager=args.enforce_eager,
     )
+    if args.max_model_len:
+        choice = given(args.max_model_len)
+    else:
+        choice = longest_that_fits(max_len, lambda length: estimate_memory(
+            model, layout, replace(engine, max_model_len=length), device).fits)
+        engine = replace(engine, max_model_len=choice.value)
     t1 = time.perf_counter()
     report = estimate_memory(model, layout, engine, device)
     t2 = time.perf_counter()
@@ -175,10 +195,12 @@ def _run(args: argparse.Namespace) -> int:
         out["model"] = {"name": model.name, "architecture": model.architecture, "quantization": model.quantization,
                         "source": model.source}
         out["gpu"] = {"name": gpu_label, "total_bytes": device.total_bytes, "compute_capability": list(device.compute_capability)}
+        out["max_model_len_choice"] = choice.to_json()
         out["elapsed_ms"] = {"estimate": round((t2 - t1) * 1e3, 3), "total": round((time.perf_counter() - t0) * 1e3, 3)}
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
+        print(choice.line)
         print(render(report, model, gpu_label, device))
         print(f"computed in {(t2 - t1) * 1e3:.2f} ms (estimate) / {(time.perf_counter() - t0) * 1e3:.1f} ms (with config load)")
     return EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT

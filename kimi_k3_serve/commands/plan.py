@@ -3,6 +3,9 @@
     kimi-k3-serve plan --model kimi-k3 --gpu H200 --nodes 2 --max-model-len 32768
     kimi-k3-serve plan --model path/to/config.json --cluster cluster_configs/kuberay-h200.yaml --json
 
+Without ``--max-model-len`` the model config's length is used, capped at the longest that fits the cluster
+(the line ``max_model_len: ...`` says which and why; with ``--json`` it goes to standard error).
+
 Exit codes: 0 a layout fits, 1 none fits (the closest candidates and their shortfalls are printed), 2 bad input.
 """
 
@@ -11,9 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
+from kimi_k3_serve.commands.lengths import LengthChoice, given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.hardware import lookup_gpu
 from kimi_k3_serve.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, SPECULATIVE_METHODS, EngineSettings, SpeculativeSettings
 from kimi_k3_serve.units import fmt_gib
 from kimi_k3_serve.planner import OBJECTIVES
@@ -21,7 +27,19 @@ from kimi_k3_serve.planner import OBJECTIVES
 MAX_WHAT_IF_NODES = 256
 
 
+EXAMPLES = """\
+examples:
+  kimi-k3-serve plan --model kimi-k3 --gpu H200 --nodes 2                 # longest max_model_len that fits
+  kimi-k3-serve plan --model kimi-k3 --gpu H200 --min --max-model-len 32768
+  kimi-k3-serve plan --model kimi-k3 --cluster cluster_configs/kuberay-h200.yaml --json
+
+exit codes: 0 a layout fits, 1 none fits, 2 bad input
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
     parser.add_argument("--model", required=True, help="'kimi-k3', a config.json, or a checkpoint folder")
     where = parser.add_argument_group("cluster (one of)")
     where.add_argument("--gpu", help="GPU name from the catalogue, e.g. H200, B200, GB300 (with --nodes)")
@@ -32,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--as-is", action="store_true",
                        help="plan on the nodes the file starts with, not grown to each node type's max count")
     target = parser.add_argument_group("serving target")
-    target.add_argument("--max-model-len", type=int, required=True, help="longest prompt plus output, in tokens")
+    target.add_argument("--max-model-len", type=_positive_int,
+                        help="longest prompt plus output, in tokens (default: the model config's, capped at the "
+                             "longest that fits the cluster)")
     target.add_argument("--max-num-seqs", type=int, help="sequences one engine runs at once (default: vLLM's)")
     target.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step (default: vLLM's)")
     target.add_argument("--gpu-memory-utilization", type=float, default=0.92, help="share of each GPU vLLM may use")
@@ -59,6 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-nodes", type=int, default=MAX_WHAT_IF_NODES,
                         help=f"largest cluster --min and the what-if search try (default {MAX_WHAT_IF_NODES} nodes)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _cluster(args: argparse.Namespace):
@@ -94,7 +124,7 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
         speculative = SpeculativeSettings(args.speculative_method, args.num_speculative_tokens,
                                           draft=load_model(args.draft), draft_tp=args.draft_tp)
     return EngineSettings(
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len or model_config_length(load_model(args.model)),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -111,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     from kimi_k3_serve.models import load_model
     from kimi_k3_serve.planner import NoLayoutFitsError, Pins, plan
 
+    if args.gpu is not None:
+        lookup_gpu(args.gpu, field="--gpu")  # an unknown name: one line listing the catalogue
     model = load_model(args.model)
     engine = _engine(args)
     pins = Pins(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, layer_partition=_partition(args.layer_partition))
@@ -120,14 +152,21 @@ def run(args: argparse.Namespace) -> int:
         if args.cluster or args.nodes is not None or not args.gpu:
             raise ConfigError("--min", [args.gpu, args.nodes, args.cluster],
                               "--gpu NAME without --nodes or --cluster: --min finds the node count itself")
+        choice = given(engine.max_model_len) if args.max_model_len else LengthChoice(
+            engine.max_model_len, "model config", f"max_model_len: {engine.max_model_len:,} (model config)")
+        print(choice.line, file=sys.stderr if args.json else sys.stdout)
         return _run_smallest(args, model, engine, pins)
     cluster = _cluster(args)
+    choice = _length(args, model, engine, cluster, pins)
+    engine = replace(engine, max_model_len=choice.value)
+    print(choice.line, file=sys.stderr if args.json else sys.stdout)
     try:
         result = plan(model, engine, cluster, pins, objective=args.objective)
     except NoLayoutFitsError as exc:
         what_if = what_would_fit(model, engine, pins, args, cluster) if args.gpu else None
         if args.json:
-            json.dump({**exc.to_json(), **({"what_would_fit": what_if} if what_if else {})}, sys.stdout, indent=2)
+            json.dump({**exc.to_json(), "max_model_len_choice": choice.to_json(),
+                       **({"what_would_fit": what_if} if what_if else {})}, sys.stdout, indent=2)
             sys.stdout.write("\n")
         else:
             print(f"does not fit: {exc}")
@@ -136,11 +175,28 @@ def run(args: argparse.Namespace) -> int:
                 _print_what_if(what_if)
         return 1
     if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2)
+        json.dump({**result.to_json(), "max_model_len_choice": choice.to_json()}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         _print_plan(result)
     return 0
+
+
+def _length(args: argparse.Namespace, model, engine: EngineSettings, cluster, pins) -> LengthChoice:
+    """``--max-model-len`` as given, else the model config's, capped at the longest at which a layout fits."""
+    from kimi_k3_serve.planner import NoLayoutFitsError, plan
+
+    if args.max_model_len:
+        return given(args.max_model_len)
+
+    def fits(length: int) -> bool:
+        try:
+            plan(model, replace(engine, max_model_len=length), cluster, pins, objective=args.objective)
+        except NoLayoutFitsError:
+            return False
+        return True
+
+    return longest_that_fits(model_config_length(model), fits)
 
 
 def _print_candidates(candidates: list) -> None:

@@ -242,7 +242,18 @@ def render_deploy_config(path: str | Path, fmt: str, **options: Any) -> str:
     return render(build_request(config, fmt, **options))
 
 
+EXAMPLES = """\
+examples:
+  kimi-k3-serve render --config deploy/config.yaml --format kuberay --output cluster_configs/kuberay-h200.yaml
+  kimi-k3-serve render --config deploy/config.yaml --format launcher-aws --instance-type p5en.48xlarge
+
+exit codes: 0 written, 1 the deploy config's layout does not fit (no file), 2 bad input
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
     parser.add_argument("--config", required=True, help="the Serve deploy config (deploy/*.yaml)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="which cluster file to write")
     parser.add_argument("--output", help="write here instead of standard output")
