@@ -18,6 +18,10 @@ SERVE_CONFIG ?= deploy/dev.yaml
 RAY_NUM_CPUS ?= 8
 RAY_PORT ?= 6391
 SERVE_URL ?= http://127.0.0.1:8000
+# How long `make serve` waits for the app to answer before saying it is not ready (it keeps serving).
+SERVE_READY_TIMEOUT_S ?= 900
+# vLLM's log level in the served processes; the dev configs set Serve's own to WARNING.
+VLLM_LOGGING_LEVEL ?= WARNING
 export KIMI_K3_SERVE_MODEL_CACHE ?= $(CURDIR)/.cache/tiny-models
 PYTEST_ARGS ?=
 
@@ -28,7 +32,7 @@ STAMP := $(VENV)/.kimi-k3-serve-installed-$(PYPROJECT_HASH)
 .PHONY: help install models serve test clean
 
 help:
-	@echo "make serve    serve $(SERVE_CONFIG) on this machine's CPU at $(SERVE_URL) (Ctrl-C stops it)"
+	@echo "make serve    serve $(SERVE_CONFIG) on this machine's CPU at $(SERVE_URL); prints 'ready:' and a curl line (Ctrl-C stops it)"
 	@echo "make test     run the whole test suite"
 	@echo "make install  create $(VENV) and install kimi-k3-serve[cpu,test] (skipped when up to date)"
 
@@ -53,27 +57,33 @@ models: install
 	@"$(PY)" scripts/make_tiny_models.py --out "$(KIMI_K3_SERVE_MODEL_CACHE)"
 
 serve: install models
-	@ray_dir=$$(mktemp -d)
+	@start=$$(date +%s)
+	ray_dir=$$(mktemp -d)
 	# Our head gets its own auth token in a private file, so that neither another
 	# cluster's token in ~/.ray nor a concurrent `ray start` elsewhere on the machine gets in the way.
 	export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$$ray_dir/auth_token"
+	# Workers inherit the head's environment: vLLM prints warnings and errors only (VLLM_LOGGING_LEVEL=INFO for all).
+	export VLLM_LOGGING_LEVEL="$(VLLM_LOGGING_LEVEL)"
 	( umask 077; "$(PY)" -c "import secrets; print(secrets.token_hex(32), end='')" > "$$RAY_AUTH_TOKEN_PATH" )
 	"$(VENV)/bin/ray" start --head --block --port $(RAY_PORT) --num-cpus $(RAY_NUM_CPUS) \
 	  --temp-dir "$$ray_dir" --include-dashboard false --disable-usage-stats > "$$ray_dir/ray-head.log" 2>&1 &
 	ray_pid=$$!
-	# Stop only the head this recipe started: `ray start --block` shuts its own processes down on SIGTERM.
-	trap 'echo "stopping the Ray head (pid $$ray_pid)"; kill -TERM $$ray_pid 2>/dev/null || true; wait $$ray_pid 2>/dev/null || true; rm -rf "$$ray_dir"' EXIT
+	waiter_pid=
+	# Stop only what this recipe started: `ray start --block` shuts its own processes down on SIGTERM.
+	trap 'if [ -n "$$waiter_pid" ]; then kill $$waiter_pid 2>/dev/null || true; fi; echo "stopping the Ray head (pid $$ray_pid)"; kill -TERM $$ray_pid 2>/dev/null || true; wait $$ray_pid 2>/dev/null || true; rm -rf "$$ray_dir"' EXIT
 	trap 'exit 130' INT TERM
 	for i in $$(seq 1 60); do
 	  if grep -q "Ray runtime started" "$$ray_dir/ray-head.log" 2>/dev/null; then break; fi
 	  if ! kill -0 $$ray_pid 2>/dev/null; then cat "$$ray_dir/ray-head.log"; echo "the Ray head did not start"; exit 1; fi
 	  sleep 1
 	done
-	echo "Ray head: 127.0.0.1:$(RAY_PORT) with $(RAY_NUM_CPUS) logical CPUs (log: $$ray_dir/ray-head.log)"
-	echo "Serving $(SERVE_CONFIG) at $(SERVE_URL) once the replica is up (about a minute on 2 cores). Try:"
-	echo "  curl $(SERVE_URL)/v1/chat/completions -H 'Content-Type: application/json' \\"
-	echo "    -d '{\"model\": \"tiny-llama\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"
-	echo "Ctrl-C stops the application and the Ray head."
+	echo "starting: Ray head up at 127.0.0.1:$(RAY_PORT), $(RAY_NUM_CPUS) logical CPUs ($$(( $$(date +%s) - start )) s; log: $$ray_dir/ray-head.log)"
+	echo "starting: serve run $(SERVE_CONFIG) (about 2 minutes on 2 cores; Ctrl-C stops the application and the Ray head)"
+	# Progress until the app answers, then the ready line and a curl example (scripts/wait_ready.py).
+	"$(PY)" scripts/wait_ready.py --url "$(SERVE_URL)" --since $$start --timeout-s $(SERVE_READY_TIMEOUT_S) &
+	waiter_pid=$$!
+	# `serve run` would start Serve's controller and proxies at INFO whatever the config's logging_config says.
+	RAY_ADDRESS=127.0.0.1:$(RAY_PORT) "$(PY)" scripts/serve_start.py "$(SERVE_CONFIG)" >/dev/null
 	RAY_ADDRESS=127.0.0.1:$(RAY_PORT) "$(VENV)/bin/serve" run "$(SERVE_CONFIG)"
 
 test: install

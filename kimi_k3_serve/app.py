@@ -49,6 +49,9 @@ class PreflightReport:
 
 def build_app(args: dict[str, Any]):
     """Validate ``args``, run the pre-launch check, and return the Serve ``Application``."""
+    from kimi_k3_serve.console import before_serve_llm_import
+
+    before_serve_llm_import()  # text, not JSON, for what importing Ray Serve LLM and vLLM logs below
     validated = load_args(args, source=ARGS_SOURCE)
     llm_config = llm_config_of(validated)
     report = preflight(validated, llm_config)

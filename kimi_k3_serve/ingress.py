@@ -23,6 +23,10 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from kimi_k3_serve.console import before_serve_llm_import, follow_serve_log_encoding
+
+before_serve_llm_import()  # text, not JSON, for what the imports below log (kimi_k3_serve.console)
+
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
@@ -32,6 +36,7 @@ from starlette.responses import JSONResponse
 from kimi_k3_serve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+follow_serve_log_encoding()  # importing ray.serve.llm just set this process's root logger to JSON
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
 

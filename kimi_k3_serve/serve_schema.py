@@ -4,7 +4,8 @@ Importing ``ray.serve.schema`` costs about 0.8 s (it pulls in Ray's core worker 
 than the whole capacity check. Most deploy files use only a small part of ``ServeDeploySchema``: applications
 with ``name``, ``route_prefix``, ``import_path`` and ``args``, and plain ``http_options``. For those, a snapshot
 of that part of Ray's JSON schema (``data/serve_deploy_schema.json``, generated from
-``ServeDeploySchema.model_json_schema()``) plus Ray's four validators on those fields decide acceptance.
+``ServeDeploySchema.model_json_schema()``) plus Ray's six validators on those fields decide acceptance.
+``logging_config`` is covered (encoding, log level, access log) because the dev configs set it.
 
 This is a shortcut for *accepting* only. A document that uses any other field, fails the snapshot, or was
 written for another Ray version goes to Ray's ``ServeDeploySchema``, so every rejection (and its message) is
@@ -18,6 +19,7 @@ and on generated documents the shortcut must never accept what Ray rejects.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from functools import cache
 from importlib import metadata
@@ -27,9 +29,10 @@ from typing import Any
 SNAPSHOT_PATH = Path(__file__).with_name("data") / "serve_deploy_schema.json"
 
 FAST_FIELDS: dict[str, tuple[str, ...]] = {
-    "ServeDeploySchema": ("applications", "http_options", "proxy_location", "target_capacity"),
-    "ServeApplicationSchema": ("name", "route_prefix", "import_path", "args"),
+    "ServeDeploySchema": ("applications", "http_options", "proxy_location", "target_capacity", "logging_config"),
+    "ServeApplicationSchema": ("name", "route_prefix", "import_path", "args", "logging_config"),
     "HTTPOptionsSchema": ("host", "port", "root_path", "request_timeout_s", "keep_alive_timeout_s"),
+    "LoggingConfig": ("encoding", "log_level", "enable_access_log"),
 }
 """The fields the shortcut knows completely; any other key sends the document to Ray's schema (``host`` and
 ``port`` inside an application, for instance, which Ray rejects with its own message)."""
@@ -134,7 +137,9 @@ def accepts_without_ray(document: Any) -> bool:
     if not validator.is_valid(document):
         return False
     applications = document["applications"]
-    return _import_paths_valid(applications) and _names_and_routes_valid(applications)
+    logging_configs = [document.get("logging_config")] + [app.get("logging_config") for app in applications]
+    return (_import_paths_valid(applications) and _names_and_routes_valid(applications)
+            and all(_logging_config_valid(config) for config in logging_configs if config is not None))
 
 
 def _finite_outside_args(node: Any, *, in_args: bool = False) -> bool:
@@ -171,6 +176,23 @@ def _names_and_routes_valid(applications: list[dict[str, Any]]) -> bool:
     routes = [app.get("route_prefix", DEFAULT_ROUTE_PREFIX) for app in applications]
     routes = [route for route in routes if route is not None]
     return len(set(routes)) == len(routes)
+
+
+LOG_ENCODINGS = ("TEXT", "JSON")
+"""``ray.serve.schema.EncodingType``."""
+
+
+def _logging_config_valid(config: dict[str, Any]) -> bool:
+    """``LoggingConfig.valid_encoding_format`` and ``valid_log_level``: the encoding is TEXT or JSON; the level is a
+    name or number the ``logging`` module knows (pydantic takes an integral float such as 20.0 as the int 20)."""
+    if "encoding" in config and config["encoding"] not in LOG_ENCODINGS:
+        return False
+    level = config.get("log_level", "INFO")
+    if isinstance(level, bool):
+        return False
+    if isinstance(level, (int, float)):
+        return float(level).is_integer() and int(level) in logging._levelToName
+    return level in logging._nameToLevel
 
 
 def main() -> int:

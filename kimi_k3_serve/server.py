@@ -7,12 +7,17 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncGenerator, List, TypeVar
 
+from kimi_k3_serve.console import before_serve_llm_import, follow_serve_log_encoding
+
+before_serve_llm_import()  # text, not JSON, for what the imports below log (kimi_k3_serve.console)
+
 from ray.serve.llm import LLMServer as _ServeLLMServer
 
 from kimi_k3_serve.health import EngineNotProgressingError, probe_engine, probe_timeout_s
 from kimi_k3_serve.streaming import FirstChunkNowBatcher
 
 logger = logging.getLogger(__name__)
+follow_serve_log_encoding()  # importing ray.serve.llm just set this process's root logger to JSON
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema
+from ray.serve.schema import HTTPOptionsSchema, LoggingConfig, ServeApplicationSchema, ServeDeploySchema
 
 from conftest import REPO_ROOT
 from kimi_k3_serve import serve_schema
@@ -34,6 +34,8 @@ MIRRORED = {
     ("ServeDeploySchema", "application_names_unique"),
     ("ServeDeploySchema", "application_routes_unique"),
     ("ServeDeploySchema", "application_names_nonempty"),
+    ("LoggingConfig", "valid_encoding_format"),
+    ("LoggingConfig", "valid_log_level"),
 }
 """Ray validators the shortcut repeats."""
 INERT = {
@@ -41,6 +43,7 @@ INERT = {
     ("ServeApplicationSchema", "convert_autoscaling_policy_to_dict"),
     ("ServeApplicationSchema", "runtime_env_contains_remote_uris"),
     ("HTTPOptionsSchema", "validate_ssl_certfile"),
+    ("LoggingConfig", "valid_additional_log_standard_attrs"),
     # Fires only on an application's own host/port, or on deployments with external_scaler_enabled.
     ("ServeDeploySchema", "nested_host_and_port"),
     ("ServeApplicationSchema", "validate_external_scaler_and_autoscaling"),
@@ -65,7 +68,7 @@ def test_snapshot_is_what_the_installed_ray_generates():
 
 def test_every_ray_validator_on_the_covered_models_is_mirrored_or_inert():
     found = set()
-    for model in (ServeDeploySchema, ServeApplicationSchema, HTTPOptionsSchema):
+    for model in (ServeDeploySchema, ServeApplicationSchema, HTTPOptionsSchema, LoggingConfig):
         decorators = model.__pydantic_decorators__
         for kind in ("field_validators", "model_validators", "root_validators", "validators"):
             found |= {(model.__name__, name) for name in getattr(decorators, kind)}
@@ -73,7 +76,7 @@ def test_every_ray_validator_on_the_covered_models_is_mirrored_or_inert():
 
 
 def test_covered_fields_still_exist_in_ray():
-    models = {m.__name__: m for m in (ServeDeploySchema, ServeApplicationSchema, HTTPOptionsSchema)}
+    models = {m.__name__: m for m in (ServeDeploySchema, ServeApplicationSchema, HTTPOptionsSchema, LoggingConfig)}
     for model, fields in serve_schema.FAST_FIELDS.items():
         assert set(fields) <= set(models[model].model_fields), model
 
@@ -97,6 +100,10 @@ REJECTED_BY_RAY = {
     "duplicate routes": _with_apps({"name": "a", "route_prefix": "/x"}, {"name": "b", "route_prefix": "/x"}),
     "duplicate default routes": _with_apps({"name": "a"}, {"name": "b"}),
     "two colons": _with_apps({"import_path": "a:b:c"}),
+    "unknown log encoding": _with_apps({"name": "a"}, logging_config={"encoding": "YAML"}),
+    "lowercase log level": _with_apps({"name": "a"}, logging_config={"log_level": "warning"}),
+    "unknown numeric log level": _with_apps({"name": "a"}, logging_config={"log_level": 25}),
+    "unknown app log level": _with_apps({"name": "a", "logging_config": {"log_level": "LOUD"}}),
     "leading colon": _with_apps({"import_path": ":b"}),
     "trailing colon": _with_apps({"import_path": "a:"}),
     "no dot or colon": _with_apps({"import_path": "module"}),
@@ -127,7 +134,9 @@ def test_the_shortcut_leaves_what_ray_rejects_to_ray(name):
     _with_apps({"name": "a", "import_path": "pkg.module"}),
     _with_apps({}, http_options={"host": "127.0.0.1", "port": 8000.0, "request_timeout_s": 5}, target_capacity=50),
     _with_apps({}, proxy_location="HeadOnly"),
-], ids=["null-routes", "dotted-path", "http-options", "proxy-location"])
+    _with_apps({"logging_config": {"encoding": "JSON", "log_level": 10}},
+               logging_config={"encoding": "TEXT", "log_level": "WARNING", "enable_access_log": False}),
+], ids=["null-routes", "dotted-path", "http-options", "proxy-location", "logging-config"])
 def test_the_shortcut_accepts_what_ray_accepts(document):
     assert ray_accepts(document)
     assert serve_schema.accepts_without_ray(document)

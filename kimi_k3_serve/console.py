@@ -1,0 +1,56 @@
+"""Text, not JSON, on the console of the Serve processes that import Ray Serve LLM.
+
+Importing ``ray.serve.llm`` replaces the root logger's handlers of the process with one using Ray's
+``JSONFormatter`` (``ray.llm._internal.serve.observability.logging.setup``), whatever the Serve config's
+``logging_config`` says: that config only reaches Serve's own ``ray.serve`` logger. So our lines (preflight,
+replica check, health) and every library logging through the root logger came out as JSON documents.
+:func:`follow_serve_log_encoding` keeps that handler and its Ray/Serve context filters but gives it Serve's
+text layout, unless Serve's default encoding is JSON (``RAY_SERVE_LOG_ENCODING=JSON`` on the nodes), for
+clusters that ship logs to a JSON pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+TEXT_FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
+"""The layout of Serve's own text lines (``INFO 2026-11-30 14:25:26,204 serve 8307 -- ...``), with the logger's name."""
+
+
+def serve_log_encoding(environ: dict[str, str] | None = None) -> str:
+    """Serve's default log encoding: ``RAY_SERVE_LOG_ENCODING`` (TEXT when unset), as ``LoggingConfig`` reads it."""
+    return (os.environ if environ is None else environ).get("RAY_SERVE_LOG_ENCODING", "TEXT").upper()
+
+
+def before_serve_llm_import(environ: dict[str, str] | None = None) -> int:
+    """Run Ray Serve LLM's root-logger setup now, then :func:`follow_serve_log_encoding`, so the lines logged while
+    ``ray.serve.llm`` imports vLLM are text too. The setup module is internal to Ray (2.60) and imports no vLLM;
+    if a later Ray moves it, nothing happens here and the call after the import still converts the handler."""
+    try:
+        import ray.llm._internal.serve.observability  # noqa: F401  (sets the JSON handler on the root logger)
+    except ImportError:
+        return 0
+    return follow_serve_log_encoding(environ)
+
+
+def follow_serve_log_encoding(environ: dict[str, str] | None = None) -> int:
+    """Give the root logger's JSON handlers a text formatter unless Serve's encoding is JSON.
+
+    Also applies ``VLLM_LOGGING_LEVEL``, when set, to the ``vllm`` loggers: in these processes vLLM's import-time
+    lines reach the console through the root logger, which vLLM's own logging setup never sees.
+
+    Returns how many handlers changed. Call it after ``ray.serve.llm`` has been imported."""
+    env = os.environ if environ is None else environ
+    vllm_level = env.get("VLLM_LOGGING_LEVEL", "").upper()
+    if vllm_level in logging._nameToLevel:
+        logging.getLogger("vllm").setLevel(vllm_level)
+    if serve_log_encoding(environ) == "JSON":
+        return 0
+    changed = 0
+    for handler in logging.getLogger().handlers:
+        formatter = handler.formatter
+        if formatter is not None and type(formatter).__name__ == "JSONFormatter":
+            handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+            changed += 1
+    return changed
