@@ -35,10 +35,19 @@ from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInv
 from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.units import GiB, MiB, cdiv
 
-NON_TORCH_TP1 = GiB // 4
+NON_TORCH_TP1 = int(0.45 * GiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot non-torch memory measured by the llm-d v0.19 H100 sweep (vllm-memory.md 1.2, 5):
-~0.25 GiB at TP1, ~2.1 GiB at TP >= 2 (custom all-reduce buffers)."""
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.45 GiB, fitted on the H200 runs of
+2026-11-30 (tests/fixtures/gpu/2026-11-30, docs/memory-accuracy.md; the llm-d v0.19 H100 sweep had 0.25 GiB).
+TP >= 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory.md 1.2, 5), not yet measured here."""
+SAMPLER_FP32_VOCAB_COPIES = 4
+"""vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
+probabilities / log-probabilities the sampler derives). Fitted on the H200 Kimi-K3 slice runs at 256 and 1024
+sequences (docs/memory-accuracy.md); the forward's output is still held, so the two add up."""
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": 33 * MiB, "default": 14 * MiB}
+"""Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the second capture's size, times
+the graphs). Fitted on H200, vLLM 0.32: a 4-layer Kimi-K3 slice with DSpark, TP1 (estimate 3.55 GiB) and
+Llama-3.1-8B, TP1 (0.76 GiB). Layer-count and TP dependence not yet measured: +-50%."""
 PRE_SNAPSHOT_CONTEXT = GiB // 2
 PRE_SNAPSHOT_NCCL = GiB
 """CUDA context (~0.5 GiB) and NCCL communicators (~1 GiB at TP >= 2) exist before vLLM's snapshot: they sit
@@ -316,7 +325,7 @@ def estimate_memory(
                 estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
         estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
-                                  "post-snapshot non-torch memory measured by llm-d v0.19 (0.25 GiB TP1, 2.1 GiB TP>=2)"))
+                                  "post-snapshot non-torch: 0.45 GiB TP1 (fitted, H200 2026-11-30), 2.1 GiB TP>=2 (llm-d, H100)"))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
         stage_info.append((weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 
@@ -573,19 +582,17 @@ def _padded_state(spec: StatePageSpec, attn_page: int) -> StatePageSpec:
 
 def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, end: int, mnbt: int, seqs: int,
                 draft: ModelInventory | None) -> tuple[int, int, str]:
-    """Peak transient memory of vLLM's profile run: one forward at ``max_num_batched_tokens`` tokens, then
-    the sampler at ``max_num_seqs`` requests on the last stage (the larger of the two)."""
+    """Peak transient memory of vLLM's profile run: one forward at ``max_num_batched_tokens`` tokens, then, on the
+    last stage, the sampler at ``max_num_seqs`` requests while the forward's output is still held (the two add up)."""
     fwd = _forward_activation(model, layout, mnbt, start, end)
     basis = f"forward at max_num_batched_tokens={mnbt}"
     peak = fwd
     if stage == layout.pp - 1:
-        sampler = seqs * model.vocab_size * 4 * 2  # fp32 logits + probabilities for max_num_seqs rows
         if draft is not None:
-            fwd += mnbt * draft.hidden_size * 2 * 6
-        if sampler > peak:
-            basis = f"sampler at max_num_seqs={seqs} x vocab {model.vocab_size} (fp32 logits + probs)"
-        peak = max(fwd, sampler)
-    return peak, max(peak // 2, 256 * MiB), basis + "; +-50%"
+            peak += mnbt * draft.hidden_size * 2 * 6
+        peak += seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES
+        basis += f" + sampler at max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES} fp32 copies, fitted)"
+    return peak, max(peak // 4, 256 * MiB), basis + "; +-25% (H200 residuals <= 0.3 GiB)"
 
 
 def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, start: int, end: int) -> int:
@@ -615,11 +622,11 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     num_sizes = _num_capture_sizes(largest)
     modes = 2 if model.is_hybrid or model.uses_mla else 1  # FULL_AND_PIECEWISE
     shared = _forward_activation(model, layout, largest, start, end)
-    per_graph = 2 * MiB
+    per_graph = CUDA_GRAPH_PER_GRAPH.get(model.family, CUDA_GRAPH_PER_GRAPH["default"])
     est = shared + num_sizes * modes * per_graph
     return est, max(est // 2, GiB // 2), (
-        f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {num_sizes} sizes x {modes} modes x 2 MiB; "
-        "+-max(50%, 0.5 GiB)"
+        f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {num_sizes} sizes x {modes} modes x "
+        f"{per_graph / MiB:.0f} MiB (fitted, H200 2026-11-30); +-max(50%, 0.5 GiB)"
     )
 
 

@@ -102,12 +102,12 @@ def start_two_node_cluster(second_gpu: str = "1"):
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
+    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)  # Ray records the address there whatever temp_dir is
     env = {"RAY_USAGE_STATS_ENABLED": "0"}
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 8, "num_gpus": 1, "include_dashboard": False, "node_ip_address": "127.0.0.1",
+        "num_cpus": 8, "num_gpus": 1, "include_dashboard": False,
         "temp_dir": temp_dir, "env_vars": {**env, "CUDA_VISIBLE_DEVICES": "0"}})
-    second = cluster.add_node(num_cpus=8, num_gpus=1, node_ip_address="127.0.0.1",
-                              env_vars={**env, "CUDA_VISIBLE_DEVICES": second_gpu})
+    second = cluster.add_node(num_cpus=8, num_gpus=1, env_vars={**env, "CUDA_VISIBLE_DEVICES": second_gpu})
     cluster.wait_for_nodes()
     return cluster, second, temp_dir
 
@@ -189,11 +189,12 @@ def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
             "stage1_pid": stage1_pid, "planned_last_stage_node": chosen[1],
             "replica_check": re.findall(r"replica check: .*", logs)[:12]}, indent=1))
     finally:
-        os.killpg(serve.pid, 2)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, 9)
+        if serve.poll() is None:  # Ctrl-C, as a user stops `serve run`
+            os.killpg(serve.pid, 2)
+            try:
+                serve.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.pid, 9)
         log.close()
         for p in Path(temp_dir).glob("session_*/logs/serve/*.log"):
             (out / p.name).write_text(p.read_text(errors="replace")[-400_000:])

@@ -27,7 +27,10 @@ from typing import Any
 from kimi_k3_serve.units import GiB, MiB
 
 STEPS = ("start", "load", "profile", "kv_cache", "warmup", "cuda_graphs", "serving")
-"""The engine start, in order; an OOM is placed in the step whose marker came last before it."""
+"""The engine start, in order; an OOM is placed in the step whose marker came last before it. ``kv_cache`` starts
+when vLLM has sized the KV cache (the allocation of the cache and of the buffers vLLM's profile did not see).
+vLLM's V2 model runner (DSpark drafts use it) captures CUDA graphs during the profile, to measure them: a capture
+before the KV cache is sized belongs to ``profile``."""
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PID = re.compile(r"pid=(\d+)")
@@ -51,7 +54,8 @@ _MARKERS = (
     ("load", re.compile(r"Starting to load model|Loading model from scratch|is assigned as")),
     ("profile", _LOADED),
     ("kv_cache", _AVAILABLE),
-    ("warmup", re.compile(r"KV cache size: |Compile and warming up model|JIT kernel warmup starting")),
+    ("kv_cache", re.compile(r"KV cache size: ")),
+    ("warmup", re.compile(r"Compile and warming up model|JIT kernel warmup starting")),
     ("cuda_graphs", re.compile(r"Capturing CUDA graphs|Profiling CUDA graph memory: .*capture")),
     ("serving", _INIT_DONE),
 )
@@ -158,9 +162,11 @@ def parse_vllm_log(text: str) -> EngineReading:
         line = _ANSI.sub("", raw)
         pids = _PID.findall(line)
         pid = int(pids[-1]) if pids else None
-        for i, (_, pattern) in enumerate(_MARKERS, start=1):
-            if i > step_index and pattern.search(line):
-                step_index = i
+        for name, pattern in _MARKERS:
+            if pattern.search(line):
+                if not (name == "cuda_graphs" and step_index < STEPS.index("kv_cache")):  # V2: a profiling capture
+                    step_index = max(step_index, STEPS.index(name))
+                break
         if m := _ASSIGNED.search(line):
             worker(pid).update(rank=int(m[1]), pp_rank=int(m[4]), tp_rank=int(m[5]))
         elif m := _LOADED.search(line):

@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, 9)
                 proc.wait()
             code = proc.returncode
-            (job_dir / "job.json").write_text(json.dumps({"name": name, "exit_code": code, "seconds": round(now - t0, 1),
-                                                         "stopped_at_deadline": timed_out}))
+            record = json.loads((job_dir / "job.json").read_text())  # keeps the command and the GPUs
+            record.update(exit_code=code, seconds=round(now - t0, 1), stopped_at_deadline=timed_out)
+            (job_dir / "job.json").write_text(json.dumps(record))
             summary.append(f"{name}: exit {code} after {now - t0:.0f} s{' (stopped at the deadline)' if timed_out else ''}")
             print(summary[-1], flush=True)
             free.extend(gpus)

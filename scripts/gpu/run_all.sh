@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU step of the project, for the H200 host (vLLM 0.32 CUDA + Ray 2.60 from the offline bundle).
 #
+#   bash scripts/gpu/make_bundle.sh .gpu-bundle          # on the dev machine; the parts go to /var/tmp/stash on the host
 #   . /var/tmp/stash/host_setup.sh /var/tmp/stash        # once per host: installs the bundle, sets PYTHONPATH/NCCL env
 #   bash scripts/gpu/run_all.sh PHASE [SECONDS]           # from the repository root; results land in $OUT (or ./gpu-out)
 #

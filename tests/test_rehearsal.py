@@ -1,0 +1,251 @@
+"""The rehearsal on the CPU: the Kimi-K3 slice, the vLLM log parser and the predicted-vs-measured comparison, replayed
+on the H200 runs recorded in tests/fixtures/gpu/ (vLLM 0.32 CUDA, 2026-11-30), and the command's bad-input paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, load_script
+from kimi_k3_serve.cli import main
+from kimi_k3_serve.cluster import GpuInfo
+from kimi_k3_serve.commands.rehearse import visible_gpus
+from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
+from kimi_k3_serve.memory import estimate_memory
+from kimi_k3_serve.models import inventory_from_config, load_model, read_config
+from kimi_k3_serve.models.inventory import KdaState, MlaKv
+from kimi_k3_serve.rehearsal.compare import compare, measured_verdict, render_table
+from kimi_k3_serve.rehearsal.slicing import min_slice_layers, slice_draft_config, slice_text_config, spread
+from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
+from kimi_k3_serve.units import GiB
+
+RUNS = REPO_ROOT / "tests" / "fixtures" / "gpu" / "2026-11-30"
+H200 = RankDevice(150109880320, (9, 0), name="NVIDIA H200")  # torch's total on the host (host.json)
+
+
+def run_log(name: str):
+    return parse_vllm_log((RUNS / name / "vllm.log").read_text())
+
+
+def gib(x: float) -> int:
+    return round(x * GiB)
+
+
+# -- the slice --------------------------------------------------------------------------------------------------------
+
+def test_slice_keeps_every_layer_kind_of_kimi_k3() -> None:
+    full = read_config("kimi-k3")[0]
+    assert min_slice_layers(full["text_config"]) == 4
+    sliced = slice_text_config(full, 4)
+    model = inventory_from_config(sliced, name="slice")
+    assert [type(layer.kv) for layer in model.layers] == [KdaState, KdaState, KdaState, MlaKv]
+    assert [(layer.attention, layer.mlp) for layer in model.layers] == [
+        ("kda", "dense"), ("kda", "moe"), ("kda", "moe"), ("mla", "moe")]
+    assert model.architecture == "KimiLinearForCausalLM" and "mxfp4" in model.quantization
+    # Every per-layer number is the full model's: the slice's layer 3 weighs what Kimi-K3's layer 3 weighs.
+    k3 = load_model("kimi-k3")
+    assert model.layer_bytes(1, 1, False)[3] == k3.layer_bytes(1, 1, False)[3]
+
+
+def test_slice_refuses_a_layer_count_that_drops_a_kind() -> None:
+    full = read_config("kimi-k3")[0]
+    for bad in (3, 94, 0):
+        with pytest.raises(ConfigError, match="--layers"):
+            slice_text_config(full, bad)
+
+
+def test_sliced_drafts_tap_only_layers_of_the_slice() -> None:
+    dspark = slice_draft_config(read_config("kimi-k3-dspark")[0], 4)
+    assert dspark["target_layer_ids"] == [0, 1, 2, 3] and dspark["num_target_layers"] == 4
+    assert dspark["dspark_noise_token_id"] == 163839
+    eagle = slice_draft_config(read_config("kimi-k3-eagle3")[0], 8)
+    assert eagle["eagle_aux_hidden_state_layer_ids"] == [0, 4, 7]
+    assert spread(93, 5) == [0, 23, 46, 69, 92]
+
+
+def test_shipped_expert_targets_use_the_names_vllm_matches() -> None:
+    # vLLM 0.32 matches compressed-tensors targets against experts.N.gate_proj|up_proj|down_proj; with w1/w2/w3
+    # it left the experts unquantized and moe_backend=marlin refused to start (H200, 2026-11-30).
+    from kimi_k3_serve.models.quant import parse_quantization
+
+    q = parse_quantization(read_config("kimi-k3")[0], "bfloat16")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert q.quantizes(f"model.layers.1.block_sparse_moe.experts.7.{name}")
+    assert not q.quantizes("model.layers.1.block_sparse_moe.experts.7.w1")
+    # ... and the planner's numbers are those of the documented checkpoint: 102.7 GB per GPU on stage 0 at TP8 x PP2.
+    r = estimate_memory(load_model("kimi-k3"), Layout(tp=8, pp=2), EngineSettings(max_model_len=32768), H200)
+    assert r.ranks[0].weights_bytes == 102_742_802_112
+
+
+# -- vLLM's log, replayed -----------------------------------------------------------------------------------------------
+
+def test_parser_reads_a_whole_h200_engine_start() -> None:
+    r = run_log("k4-tp1-serve-defaults-dspark")
+    (w,) = r.workers
+    assert (w.rank, w.pp_rank, w.tp_rank) == (0, 0, 0)
+    assert w.model_load_bytes == gib(58.69) and w.available_kv_bytes == gib(64.22)
+    assert (w.cuda_graph_estimate_bytes, w.cuda_graph_actual_bytes) == (gib(3.55), gib(1.59))
+    assert (w.total_bytes, w.requested_bytes, w.consumed_bytes, w.peak_activation_bytes) == (
+        gib(139.8), gib(128.62), gib(59.83), gib(4.57))
+    assert (r.kv_cache_tokens, r.max_model_len, r.max_concurrency) == (1_900_348, 8192, 231.98)
+    assert r.started and r.last_step == "serving" and r.oom is None and r.init_seconds == 55.03
+
+
+def test_parser_places_the_oom_vllm_met_after_sizing_the_kv_cache() -> None:
+    # vllm.LLM's H200 defaults (16384 tokens, 1024 sequences): FlashKDA's buffers were not in the profile, and the
+    # KV cache vLLM sized could no longer be allocated.
+    r = run_log("k4-tp1-llm-defaults-b16384-s1024")
+    assert not r.started and r.oom is not None
+    assert r.oom.step == "kv_cache"
+    assert (r.oom.tried_bytes, r.oom.free_bytes, r.oom.device_index) == (gib(55.66), gib(52.76), 0)
+    assert r.workers[0].available_kv_bytes == gib(55.66)
+    assert measured_verdict(r) == "oom_at_warmup"
+
+
+def test_a_run_stopped_while_loading_has_no_verdict() -> None:
+    r = run_log("qwen3-30b-a3b-tp1")
+    assert not r.started and r.oom is None and r.last_step == "profile"
+    assert measured_verdict(r) == "unknown"
+
+
+def test_the_same_settings_measure_the_same_on_a_fresh_host_and_a_warm_one() -> None:
+    first = run_log("k4-tp1-serve-defaults-dspark-first-start")
+    warm = run_log("k4-tp1-serve-defaults-dspark")
+    strip = lambda w: {k: v for k, v in w.to_json().items() if k != "pid"}  # noqa: E731
+    assert strip(first.workers[0]) == strip(warm.workers[0])
+    assert first.init_seconds > 3 * warm.init_seconds  # FlashInfer builds its kernels on the first start
+
+
+# -- plan against measurement -----------------------------------------------------------------------------------------
+
+accuracy = load_script("memory_accuracy")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {r.name: r for r in accuracy.all_runs()}
+
+
+def test_weights_within_half_a_percent_on_every_run(runs) -> None:
+    for r in runs.values():
+        err = accuracy.RunAccuracy.error(r.weights)
+        assert err is not None and abs(err) <= 0.005, (r.name, r.weights)
+
+
+def test_kv_pool_within_one_percent_where_vllm_sized_one(runs) -> None:
+    sized = [r for r in runs.values() if r.kv[1] is not None]
+    assert len(sized) >= 5
+    for r in sized:
+        assert abs(accuracy.RunAccuracy.error(r.kv)) <= 0.01, (r.name, r.kv)
+
+
+def test_verdict_right_on_every_run_that_ended(runs) -> None:
+    ended = [r for r in runs.values() if r.measured_verdict != "unknown"]
+    assert {r.measured_verdict for r in ended} == {"fits", "oom_at_warmup"}
+    for r in ended:
+        assert r.predicted_verdict == r.measured_verdict, r
+
+
+def test_estimates_are_pinned_to_the_h200_measurements(runs) -> None:
+    r = runs["k4-tp1-serve-defaults-dspark"]
+    assert abs(r.cuda_graph[0] - r.cuda_graph[1]) <= 0.1 * GiB  # vLLM's estimate: 3.55 GiB
+    assert abs(r.profile[0] - r.profile[1]) <= 0.3 * GiB  # activation + non-torch in the profile: 2.16 GiB
+    llama = runs["llama-3.1-8b-tp1"]
+    assert abs(llama.cuda_graph[0] - llama.cuda_graph[1]) <= 0.05 * GiB
+    assert abs(llama.profile[0] - llama.profile[1]) <= 0.3 * GiB  # not fitted on: 1.25 vs 1.39 GiB
+
+
+def test_plan_names_the_warmup_oom_and_a_safe_utilization() -> None:
+    slice4 = inventory_from_config(slice_text_config(read_config("kimi-k3")[0], 4), name="slice")
+    dspark = inventory_from_config(slice_draft_config(read_config("kimi-k3-dspark")[0], 4), name="dspark")
+    spec = SpeculativeSettings("dspark", 7, draft=dspark)
+    offline = EngineSettings(max_model_len=8192, max_num_seqs=1024, max_num_batched_tokens=16384, speculative=spec)
+    r = estimate_memory(slice4, Layout(), offline, H200)
+    assert r.verdict == "oom_at_warmup" and not r.fits
+    assert r.ranks[0].warmup_shortfall_bytes > GiB
+    assert any("would OOM during warmup on rank 0" in n for n in r.notes)
+    assert r.safe_gpu_memory_utilization is not None and r.safe_gpu_memory_utilization < 0.92
+    safe = estimate_memory(slice4, Layout(), EngineSettings(
+        max_model_len=8192, max_num_seqs=1024, max_num_batched_tokens=16384, speculative=spec,
+        gpu_memory_utilization=r.safe_gpu_memory_utilization), H200)
+    assert safe.verdict == "fits"
+
+
+def test_table_sets_plan_beside_vllm_per_gpu() -> None:
+    result = json.loads((RUNS / "k4-tp1-serve-defaults-dspark" / "result.json").read_text())
+    report, reading = accuracy.predict_run(RUNS / "k4-tp1-serve-defaults-dspark")
+    comparison = compare(report, reading)
+    table = render_table(comparison, ["GPU 0"])
+    assert "GPU 0" in table and "kv_cache" in table and "64.22" in table
+    assert "verdict: plan fits, vLLM fits (agree)" in table
+    assert result["engine"]["max_num_batched_tokens"] == 2048 and result["generated"]["tokens"] == 64
+
+
+# -- the command ----------------------------------------------------------------------------------------------------
+
+def test_cuda_visible_devices_picks_the_gpus_nvml_lists() -> None:
+    gpus = [GpuInfo(i, f"GPU-{i}aa", "NVIDIA H200", 1, 1, (9, 0), "node") for i in range(2)]
+    assert [g.index for g in visible_gpus(gpus, None)] == [0, 1]
+    assert [g.index for g in visible_gpus(gpus, "1")] == [1]
+    assert [g.index for g in visible_gpus(gpus, "1,0")] == [1, 0]
+    assert [g.index for g in visible_gpus(gpus, "GPU-1")] == [1]
+    assert visible_gpus(gpus, "7") == [] and visible_gpus(gpus, "") == []
+
+
+def test_rehearse_without_a_gpu_is_one_clear_line(capsys) -> None:
+    assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "config.yaml"), "--layers", "4", "--tp", "1",
+                 "--pp", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "NVIDIA GPU" in err and "Traceback" not in err
+
+
+def test_rehearse_layers_too_few_names_the_flag(capsys) -> None:
+    assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "config.yaml"), "--layers", "3", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --layers: got 3") and "every layer kind" in err
+
+
+def test_rehearse_deploys_the_apps_engine_kwargs(capsys) -> None:
+    from kimi_k3_serve.app import engine_kwargs, env_vars
+    from kimi_k3_serve.serve_config import load_serve_app
+
+    assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "config.yaml"), "--layers", "4", "--tp", "1", "--pp",
+                 "1", "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    args = load_serve_app(REPO_ROOT / "deploy" / "config.yaml").args
+    args = args.model_copy(update={"parallel": args.parallel.model_copy(update={
+        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "layer_partition": None})})
+    deployed = engine_kwargs(args, out["engine_kwargs"]["speculative_config"]["model"])
+    rehearsed = dict(out["engine_kwargs"])
+    assert {rehearsed.pop(k) for k in ("load_format", "skip_tokenizer_init", "distributed_executor_backend")} == {
+        "dummy", True, "mp"}
+    assert rehearsed == deployed  # every kwarg the app deploys, and the limits the app set (max_num_batched_tokens 8192)
+    assert out["env"] == env_vars(args)
+    assert out["plan"]["verdict"] == "fits"
+
+
+def test_rehearse_a_gpu_config_naming_more_gpus_than_the_machine_has() -> None:
+    from kimi_k3_serve.commands.rehearse import local_devices
+
+    with pytest.raises(ConfigError, match="NVIDIA GPU"):
+        local_devices(2, dry_run=False)  # no NVML here: refused before anything starts
+    device, labels = local_devices(16, dry_run=True)
+    assert device.name == "H200" and len(labels) == 16
+
+
+def test_rehearsal_config_is_a_valid_deploy_config(tmp_path, monkeypatch) -> None:
+    make_slice = load_script("make_kimi_slice")
+    made = make_slice.make_slice(tmp_path, 4)
+    assert [p.name for p in made] == ["kimi-k3-slice", "kimi-k3-slice-dspark", "kimi-k3-slice-eagle3"]
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(tmp_path / "kimi-k3-slice" / "tokenizer.json")).get_vocab_size() == 163840
+    monkeypatch.setenv("KIMI_K3_SERVE_MODEL_CACHE", str(tmp_path))
+    check = ["check", "--config", str(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml"), "--cluster"]
+    assert main([*check, str(REPO_ROOT / "tests" / "fixtures" / "check" / "h200-2x8.yaml")]) == 0
+    # One node cannot hold it: the two pipeline stages go to two nodes, as on the GPU host's two raylets.
+    assert main([*check, str(REPO_ROOT / "tests" / "fixtures" / "check" / "h200-1x8.yaml")]) == 1
+    assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml"), "--dry-run"]) == 0
