@@ -75,6 +75,10 @@ class CheckReport:
     optimisations: tuple[dict[str, Any], ...]
     seconds: float
     notes: tuple[str, ...] = ()
+    engine_verdict: str = "fits"
+    """What vLLM 0.32 would do (``memory.VERDICTS``): fits, cannot_start, oom_at_load, no_kv_space, oom_at_warmup."""
+    safe_gpu_memory_utilization: float | None = None
+    """The largest utilization that leaves room for what vLLM allocates after sizing the KV cache."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else the caller wants in the JSON (engine kwargs, env vars, closest candidates, resources)."""
 
@@ -86,6 +90,8 @@ class CheckReport:
         return {
             "fits": self.fits,
             "verdict": self.verdict,
+            "engine_verdict": self.engine_verdict,
+            "safe_gpu_memory_utilization": self.safe_gpu_memory_utilization,
             "model": self.model,
             "cluster": self.cluster,
             "gpu": self.gpu,
@@ -141,13 +147,22 @@ def build_report(
             "non_torch_bytes": r.non_torch_bytes,
             "headroom_bytes": r.headroom_bytes,
         }
+        sizes["after_kv_bytes"] = r.after_kv_bytes
         rows.append(RankRow(r.rank, placed.node_id if placed else "-", placed.gpu_index if placed else None,
-                            r.pp_stage, r.tp_rank, sizes, int(r.shortfall_bytes)))
+                            r.pp_stage, r.tp_rank, sizes, int(r.shortfall_bytes + r.warmup_shortfall_bytes)))
     layout = memory.layout
     fits = bool(memory.fits)
     if fits:
         verdict = (f"fits: {layout.describe()} on {layout.world_size} x {gpu_name}, every GPU within its budget; "
                    f"{float(memory.max_concurrency):.2f} requests of {memory.engine.max_model_len} tokens at once")
+    elif memory.verdict == "oom_at_warmup":
+        worst_rank = max(memory.ranks, key=lambda x: x.warmup_shortfall_bytes)
+        worst = next(row for row in rows if row.rank == worst_rank.rank)
+        safe = memory.safe_gpu_memory_utilization
+        verdict = (f"does not fit: vLLM would OOM during warmup on rank {worst.rank} (node {worst.node}, GPU "
+                   f"{worst.gpu_index}) by {fmt_gib(worst_rank.warmup_shortfall_bytes)}: {fmt_gib(worst_rank.after_kv_bytes)} "
+                   "allocated after the KV cache is sized (FlashKDA prefill buffers) does not fit outside the budget"
+                   + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
     elif memory.shortfall_bytes > 0:
         worst = max(rows, key=lambda row: row.shortfall_bytes)
         short = [row for row in rows if not row.fits]
@@ -173,6 +188,8 @@ def build_report(
         optimisations=tuple(optimisations.to_json()) if optimisations is not None else (),
         seconds=seconds,
         notes=tuple(notes) + tuple(memory.notes),
+        engine_verdict=memory.verdict,
+        safe_gpu_memory_utilization=memory.safe_gpu_memory_utilization,
         extra=dict(extra or {}),
     )
 
