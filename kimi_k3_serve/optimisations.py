@@ -24,6 +24,10 @@ from kimi_k3_serve.layout import EngineSettings, Layout
 from kimi_k3_serve.models.inventory import KdaState, ModelInventory
 from kimi_k3_serve.units import MiB, round_up
 
+FLASHKDA_SCRATCH_FRACTION = 0.10
+"""FlashKDA's kernel workspace (``get_workspace_size(T, H, N)``, a C++ function) as a share of its recurrent-state
+buffers: fitted on one H200 run (4-layer Kimi-K3 slice, T=16384, N=1024, TP1: vLLM ran out of memory 2.90 GiB short
+where the buffers alone predict 1.69 GiB; tests/fixtures/gpu/2026-11-30). Margin: the same amount again."""
 LATENT_MOE_TAIL_BYTES = 28 * MiB
 """Symmetric Lamport buffers of the fused latent-MoE tail at TP8 (kimi-k3-facts.md 2.5; an estimate)."""
 
@@ -153,11 +157,13 @@ def decide_optimisations(
         else:
             heads = kda.num_heads // layout.tp
             state_bytes = 2 if state_dtype == "bfloat16" else 4
-            ws = mnbt * heads * kda.head_dim * 2 + 2 * seqs * heads * kda.head_dim * kda.head_dim * state_bytes
+            # kda.py: (1, T, H, D) model dtype + two (N, H, D, D) recurrent-state buffers + the kernel's own workspace.
+            states = 2 * seqs * heads * kda.head_dim * kda.head_dim * state_bytes
+            ws = mnbt * heads * kda.head_dim * 2 + states + int(states * FLASHKDA_SCRATCH_FRACTION)
             items.append(OptimisationItem(
-                "flashkda", True, f"{arch}: FlashKDA prefill (shared buffers for T={mnbt}, N={seqs}, allocated at warmup, "
-                "after the KV cache; kernel scratch not counted)", workspace_bytes=ws, estimate=True, margin_bytes=64 * MiB,
-                after_kv=True,
+                "flashkda", True, f"{arch}: FlashKDA prefill (buffers for T={mnbt}, N={seqs} and kernel scratch, allocated "
+                "after vLLM sizes the KV cache)", workspace_bytes=ws, estimate=True,
+                margin_bytes=max(64 * MiB, int(states * FLASHKDA_SCRATCH_FRACTION)), after_kv=True,
             ))
 
     # Latent-MoE tail fusion.

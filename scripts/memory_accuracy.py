@@ -97,11 +97,8 @@ def accuracy(run_dir: Path) -> RunAccuracy:
     w = reading.worker_of_rank(0) or (reading.workers[0] if reading.workers else None)
     load = w.model_load_bytes if w else None
     kv = w.available_kv_bytes if w else None
-    # vLLM's V2 runner prints its estimate only in the pool line after capture; the run that failed before it
-    # deducted the same estimate (its "equivalent utilization" line is the same as the others').
     cg = w.cuda_graph_estimate_bytes if w else None
-    budget = w.requested_bytes if w and w.requested_bytes else rank.budget_bytes
-    profile = budget - cg - kv - load if None not in (cg, kv, load) else None
+    profile = w.profiled_non_kv_bytes if w else None
     role = "fit" if SAME_AS.get(run_dir.name, run_dir.name) in FIT_RUNS else "validation"
     note = FIT_RUNS.get(SAME_AS.get(run_dir.name, run_dir.name), "")
     if run_dir.name in SAME_AS:

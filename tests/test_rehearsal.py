@@ -4,6 +4,7 @@ on the H200 runs recorded in tests/fixtures/gpu/ (vLLM 0.32 CUDA, 2026-11-30), a
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -101,8 +102,24 @@ def test_parser_places_the_oom_vllm_met_after_sizing_the_kv_cache() -> None:
     assert not r.started and r.oom is not None
     assert r.oom.step == "kv_cache"
     assert (r.oom.tried_bytes, r.oom.free_bytes, r.oom.device_index) == (gib(55.66), gib(52.76), 0)
-    assert r.workers[0].available_kv_bytes == gib(55.66)
+    w = r.workers[0]
+    assert w.available_kv_bytes == gib(55.66) and w.total_bytes == gib(139.80)
+    # No summary line: the budget and the CUDA-graph estimate come from vLLM's "equivalent utilization" line.
+    assert w.requested_bytes == math.ceil(0.92 * gib(139.80))
+    assert abs(w.cuda_graph_estimate_bytes - gib(3.55)) <= 15 * 2**20
     assert measured_verdict(r) == "oom_at_warmup"
+
+
+def test_plan_short_at_warmup_by_what_vllm_was_short() -> None:
+    # vLLM needed 55.66 GiB for the KV cache with 52.76 GiB free: 2.90 GiB short. The plan's warmup shortfall is that,
+    # within the FlashKDA scratch's margin, and its safe utilization leaves room for the whole 2.90 GiB.
+    report, reading = accuracy.predict_run(RUNS / "k4-tp1-llm-defaults-b16384-s1024")
+    measured_short = reading.oom.tried_bytes - reading.oom.free_bytes
+    rank = report.ranks[0]
+    flashkda = next(e for e in report.estimates if e.name == "workspace:flashkda")
+    assert abs(rank.warmup_shortfall_bytes - measured_short) <= flashkda.margin_bytes
+    safe_budget = math.ceil(report.safe_gpu_memory_utilization * rank.total_bytes)
+    assert rank.budget_bytes - safe_budget >= measured_short
 
 
 def test_a_run_stopped_while_loading_has_no_verdict() -> None:

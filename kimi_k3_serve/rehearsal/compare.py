@@ -2,9 +2,9 @@
 
 Rows, per world rank (vLLM's names in brackets):
 - weights: our stage weights + draft [``Model loading took``, which loads the target and the drafter];
-- activation: our profile-run peak [``peak activation`` of the post-warmup summary];
-- non-torch: our post-snapshot non-torch + profiled workspaces [``consumed`` - weights];
-- CUDA graphs: our estimate [``Estimated CUDA graph memory`` (deducted) and the pool actually captured];
+- profile: our activation peak + non-torch + profiled workspaces [what vLLM's profile charged besides weights:
+  requested - CUDA-graph estimate - KV cache - weights];
+- CUDA graphs: our estimate [vLLM's estimate, deducted from the budget; and the pool it then captured];
 - KV cache: our pool [``Available KV cache memory``].
 The engine row compares max concurrency at max_model_len [``Maximum concurrency for L tokens per request``].
 """
@@ -105,8 +105,8 @@ def compare(report: Any, reading: EngineReading) -> Comparison:
         get = (lambda name: getattr(w, name)) if w is not None else (lambda name: None)
         rows = (
             Row("weights", r.weights_bytes + r.draft_bytes, get("model_load_bytes")),
-            Row("activation", r.activation_bytes, get("peak_activation_bytes")),
-            Row("non_torch", r.non_torch_bytes + r.workspace_bytes, w.non_torch_bytes if w is not None else None),
+            Row("profile_non_kv", r.activation_bytes + r.non_torch_bytes + r.workspace_bytes,
+                w.profiled_non_kv_bytes if w is not None else None),
             Row("cuda_graph_estimate", r.cuda_graph_bytes, get("cuda_graph_estimate_bytes")),
             Row("cuda_graph_pool", r.cuda_graph_bytes, get("cuda_graph_actual_bytes")),
             Row("kv_cache", r.kv_cache_bytes, get("available_kv_bytes")),

@@ -8,7 +8,8 @@ Every number here is one vLLM printed. The lines come from (vLLM 0.32 CUDA wheel
   Actual usage is C GiB for consumed memory (weights + non-torch), P GiB for peak activation, and G GiB for
   CUDAGraph memory. ... Current kv cache memory in use is K GiB.";
 - ``gpu_model_runner.py``: "Estimated CUDA graph memory: X GiB total", and the worker's "CUDA graph pool memory:
-  A GiB (actual), E GiB (estimated)";
+  A GiB (actual), E GiB (estimated)"; before either, "The current --gpu-memory-utilization=U is equivalent to
+  --gpu-memory-utilization=E without CUDA graph memory profiling" (U - E is the estimate over the total, to 1e-4);
 - ``v1/core/kv_cache_utils.py``: "GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx";
 - ``v1/engine/core.py``: "init engine (profile, create kv cache, warmup model) took S s";
 - torch: "CUDA out of memory. Tried to allocate X GiB. GPU g has a total capacity of T GiB of which F MiB is free".
@@ -20,6 +21,7 @@ worker lines are tied to world ranks through the "is assigned as" line of the sa
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +46,7 @@ _SUMMARY = re.compile(
     r"Free memory on device \(([\d.]+)/([\d.]+) GiB\) on startup\. Desired GPU memory utilization is \(([\d.]+), ([\d.]+) GiB\)\. "
     r"Actual usage is ([\d.]+) GiB for consumed memory \(weights \+ non-torch\), ([\d.]+) GiB for peak activation, and "
     r"([\d.]+) GiB for CUDAGraph memory\..*?Current kv cache memory in use is (-?[\d.]+) GiB")
+_CG_EQUIV = re.compile(r"The current --gpu-memory-utilization=([\d.]+) is equivalent to --gpu-memory-utilization=([\d.]+)")
 _KV_SIZE = re.compile(r"(?:GPU|CUDA)[^:]* KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 _INIT_DONE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)")
 _OOM = re.compile(r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate ([\d.]+) (GiB|MiB|KiB)\.\s*GPU (\d+) has a total capacity of "
@@ -92,9 +95,19 @@ class WorkerReading:
             return None
         return self.consumed_bytes - self.model_load_bytes
 
+    @property
+    def profiled_non_kv_bytes(self) -> int | None:
+        """What vLLM's profile charged to the budget besides weights (activation peak, non-torch growth, profiled
+        workspaces): requested - CUDA-graph estimate - KV cache - weights, as ``determine_available_memory`` does."""
+        parts = (self.requested_bytes, self.cuda_graph_estimate_bytes, self.available_kv_bytes, self.model_load_bytes)
+        if any(p is None for p in parts):
+            return None
+        return self.requested_bytes - self.cuda_graph_estimate_bytes - self.available_kv_bytes - self.model_load_bytes
+
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         out["non_torch_bytes"] = self.non_torch_bytes
+        out["profiled_non_kv_bytes"] = self.profiled_non_kv_bytes
         return out
 
 
@@ -175,6 +188,8 @@ def parse_vllm_log(text: str) -> EngineReading:
             worker(pid)["available_kv_bytes"] = _gib(m[1])
         elif m := _CG_ESTIMATE.search(line):
             worker(pid)["cuda_graph_estimate_bytes"] = _gib(m[1])
+        elif m := _CG_EQUIV.search(line):
+            worker(pid).update(_util=float(m[1]), _cg_fraction=float(m[1]) - float(m[2]))
         elif m := _CG_POOL.search(line):
             worker(pid).update(cuda_graph_actual_bytes=_gib(m[1]), cuda_graph_estimate_bytes=_gib(m[2]))
         elif m := _CG_CAPTURED.search(line):
@@ -192,6 +207,8 @@ def parse_vllm_log(text: str) -> EngineReading:
         if oom is None and _OOM_PLAIN.search(line):
             detail = _OOM.search(line)
             step = STEPS[step_index]
+            if detail:
+                worker(pid).setdefault("total_bytes", round(float(detail[4]) * _UNITS[detail[5]]))
             oom = OomEvent(
                 step=step, pid=pid,
                 tried_bytes=round(float(detail[1]) * _UNITS[detail[2]]) if detail else None,
@@ -203,6 +220,12 @@ def parse_vllm_log(text: str) -> EngineReading:
             stripped = line.strip()
             if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", stripped) or "ERROR" in line:
                 errors.append(stripped[-300:])
+    for w in workers.values():  # what the utilization line implies, where the summary line never came
+        util, fraction = w.pop("_util", None), w.pop("_cg_fraction", None)
+        total = w.get("total_bytes")
+        if total and util is not None:
+            w.setdefault("requested_bytes", math.ceil(util * total))
+            w.setdefault("cuda_graph_estimate_bytes", round(fraction * total))
     readings = tuple(WorkerReading(**workers[k]) for k in order if k != -1 or len(workers[k]) > 1)
     readings = tuple(sorted(readings, key=lambda w: (w.rank is None, w.rank if w.rank is not None else 0, w.pid)))
     return EngineReading(workers=readings, last_step=STEPS[step_index], oom=oom, errors=tuple(errors), **engine)
