@@ -14,6 +14,7 @@ from kimi_k3_serve.cli import main
 from kimi_k3_serve.cluster import GpuInfo
 from kimi_k3_serve.commands.rehearse import visible_gpus
 from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.hardware import lookup_gpu
 from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.memory import estimate_memory
 from kimi_k3_serve.models import inventory_from_config, load_model, read_config
@@ -251,6 +252,16 @@ def test_rehearse_a_gpu_config_naming_more_gpus_than_the_machine_has() -> None:
         local_devices(2, dry_run=False)  # no NVML here: refused before anything starts
     device, labels = local_devices(16, dry_run=True)
     assert device.name == "H200" and len(labels) == 16
+
+
+def test_rehearse_on_a_ray_cluster_plans_the_config_gpu_type(capsys) -> None:
+    # With Ray's executor the workers run on the cluster's GPUs: no local GPU is needed, the plan takes args.accelerator.
+    assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "config-b200.yaml"), "--executor", "ray", "--dry-run",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine_kwargs"]["distributed_executor_backend"] == "ray"
+    assert out["gpus"] == [f"rank {r}" for r in range(16)]
+    assert {r["total_bytes"] for r in out["plan"]["ranks"]} == {lookup_gpu("B200").total_bytes}
 
 
 def test_rehearsal_config_is_a_valid_deploy_config(tmp_path, monkeypatch) -> None:

@@ -35,7 +35,7 @@ SHIPPED_DRAFTS = {"kimi-k3-dspark", "kimi-k3-eagle3"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser.epilog = __doc__.split("\n\n", 1)[1].replace("``", "`")
     parser.add_argument("--config", help="a Serve deploy config whose application is kimi_k3_serve.app:build_app")
     parser.add_argument("--app", default=None, help="the application's name in --config (default: the only one)")
     parser.add_argument("--model", default=None, help="without --config: kimi-k3, a config.json or a checkpoint folder")
@@ -189,6 +189,18 @@ def predict(args, device):
 
 # -- the GPUs of this machine ---------------------------------------------------------------------------------------
 
+def cluster_devices(world: int, gpu_type: str | None):
+    """With Ray's executor the engine's workers run on the Ray cluster's GPUs, not necessarily this machine's: the plan
+    uses the deploy config's GPU type (``args.accelerator.type``)."""
+    from kimi_k3_serve.hardware import lookup_gpu
+    from kimi_k3_serve.layout import RankDevice
+
+    if gpu_type is None:
+        raise ConfigError("args.accelerator.type", None, "a GPU type from the catalogue, for --executor ray")
+    spec = lookup_gpu(gpu_type, field="args.accelerator.type")
+    return RankDevice(spec.total_bytes, spec.compute_capability, name=spec.name), [f"rank {r}" for r in range(world)]
+
+
 def local_devices(world: int, dry_run: bool):
     """(RankDevice for the plan, GPU labels) of the GPUs the engine will use; ConfigError without enough GPUs."""
     from kimi_k3_serve.hardware import find_gpu_by_device_name, lookup_gpu
@@ -325,7 +337,10 @@ def run(ns: argparse.Namespace) -> int:
     work = Path(ns.work_dir or tempfile.mkdtemp(prefix="kimi-k3-rehearse-"))
     work.mkdir(parents=True, exist_ok=True)
     args, target_dir, draft_dir = materialize_models(args, work, ns.layers)
-    device, labels = local_devices(args.parallel.world_size, ns.dry_run)
+    if ns.executor == "ray":
+        device, labels = cluster_devices(args.parallel.world_size, args.accelerator.type)
+    else:
+        device, labels = local_devices(args.parallel.world_size, ns.dry_run)
     kwargs, env = engine_of(args, target_dir, draft_dir, ns.executor)
     report = predict(args, device)
     result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels,
