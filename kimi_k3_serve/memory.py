@@ -274,6 +274,13 @@ def estimate_memory(
     seqs = engine.max_num_seqs or d_seqs
     mnbt = engine.max_num_batched_tokens or min(d_mnbt, seqs * engine.max_model_len)
     prefix = True if engine.enable_prefix_caching is None else engine.enable_prefix_caching
+    unset = [f"{name} {value:,}" for name, value, given in (("max_num_batched_tokens", mnbt, engine.max_num_batched_tokens),
+                                                             ("max_num_seqs", seqs, engine.max_num_seqs)) if given is None]
+    if unset:
+        why = {"ray_serve": "a Ray Serve replica builds the engine args without a GPU, so vLLM takes its smallest defaults",
+               "openai_api_server": f"vLLM's `vllm serve` defaults for {ref.name or 'this GPU'}",
+               "llm_class": f"vLLM's `vllm.LLM` defaults for {ref.name or 'this GPU'}"}[engine.usage_context]
+        notes.append(f"unset limits, as vLLM 0.32 will set them: {', '.join(unset)} ({why})")
     spec = engine.speculative
     num_spec = spec.num_speculative_tokens if spec else 0
     draft = spec.draft if spec else None

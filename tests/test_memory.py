@@ -176,6 +176,11 @@ def test_ray_serve_replica_sees_no_gpu_so_vllm_falls_back() -> None:
 def test_unset_limits_resolve_as_the_serving_path_would(k3) -> None:
     served = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768), device("H200"))
     assert (served.max_num_batched_tokens, served.max_num_seqs) == (2048, 256)
+    assert any(n.startswith("unset limits, as vLLM 0.32 will set them: max_num_batched_tokens 2,048, max_num_seqs 256 (a Ray "
+                            "Serve replica") for n in served.notes)
+    pinned = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, max_num_seqs=8,
+                                                                     max_num_batched_tokens=4096), device("H200"))
+    assert not any(n.startswith("unset limits") for n in pinned.notes)
     offline = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, usage_context="llm_class"),
                               device("H200"))
     assert (offline.max_num_batched_tokens, offline.max_num_seqs) == (16384, 1024)
