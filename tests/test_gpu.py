@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT
 
 pytestmark = pytest.mark.gpu
 

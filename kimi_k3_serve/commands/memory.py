@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from kimi_k3_serve.commands.argtypes import fraction, positive_int
 from kimi_k3_serve.commands.lengths import given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.hardware import gpu_names, lookup_gpu
@@ -22,26 +23,6 @@ from kimi_k3_serve.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, Engine
 from kimi_k3_serve.units import GiB, fmt_gib
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
 
 
 def _partition(text: str) -> tuple[int, ...]:
@@ -79,22 +60,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kimi-k3 (shipped config), a config.json path or a checkpoint folder (default: kimi-k3)")
     gpu = parser.add_mutually_exclusive_group(required=True)
     gpu.add_argument("--gpu", help=f"GPU type, one of: {', '.join(gpu_names())}")
-    gpu.add_argument("--gpu-bytes", type=_positive_int, help="usable bytes per GPU (torch total_memory)")
+    gpu.add_argument("--gpu-bytes", type=positive_int, help="usable bytes per GPU (torch total_memory)")
     parser.add_argument("--compute-capability", type=_capability, default=None,
                         help="with --gpu-bytes: the GPU's compute capability (default 9.0)")
-    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size")
-    parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel size")
     parser.add_argument("--ep", action=argparse.BooleanOptionalAction, default=False, help="enable expert parallelism")
-    parser.add_argument("--dp", type=_positive_int, default=1, help="data parallel size")
-    parser.add_argument("--dcp", type=_positive_int, default=1, help="decode context parallel size")
+    parser.add_argument("--dp", type=positive_int, default=1, help="data parallel size")
+    parser.add_argument("--dcp", type=positive_int, default=1, help="decode context parallel size")
     parser.add_argument("--layer-partition", type=_partition, default=None, help="layers per PP stage, e.g. 47,46")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt plus output, in tokens (default: the model config's max_position_embeddings, "
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt plus output, in tokens (default: the model config's max_position_embeddings, "
                              "capped at the longest that fits this layout)")
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=None, help="default: vLLM 0.32's for the GPU")
-    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="default: vLLM 0.32's for the GPU")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="default: vLLM 0.32's for the GPU")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="default: vLLM 0.32's for the GPU")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--mamba-ssm-cache-dtype", choices=MAMBA_SSM_CACHE_DTYPES, default="auto")
-    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=0.92)
+    parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.92)
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}\'')
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

@@ -17,6 +17,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from kimi_k3_serve.commands.argtypes import positive_int
 from kimi_k3_serve.commands.lengths import LengthChoice, given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.hardware import lookup_gpu
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--as-is", action="store_true",
                        help="plan on the nodes the file starts with, not grown to each node type's max count")
     target = parser.add_argument_group("serving target")
-    target.add_argument("--max-model-len", type=_positive_int,
+    target.add_argument("--max-model-len", type=positive_int,
                         help="longest prompt plus output, in tokens (default: the model config's, capped at the "
                              "longest that fits the cluster)")
     target.add_argument("--max-num-seqs", type=int, help="sequences one engine runs at once (default: vLLM's)")
@@ -79,16 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-nodes", type=int, default=MAX_WHAT_IF_NODES,
                         help=f"largest cluster --min and the what-if search try (default {MAX_WHAT_IF_NODES} nodes)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _cluster(args: argparse.Namespace):

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kimi_k3_serve.commands.argtypes import fraction, positive_int
 from kimi_k3_serve.errors import ConfigError
 
 EXIT_STARTED, EXIT_FAILED = 0, 1
@@ -39,22 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a Serve deploy config whose application is kimi_k3_serve.app:build_app")
     parser.add_argument("--app", default=None, help="the application's name in --config (default: the only one)")
     parser.add_argument("--model", default=None, help="without --config: kimi-k3, a config.json or a checkpoint folder")
-    parser.add_argument("--tp", type=int, default=None, help="tensor parallel size (overrides --config)")
-    parser.add_argument("--pp", type=int, default=None, help="pipeline parallel size (overrides --config)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="overrides --config (default without it: 4096)")
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (overrides --config)")
+    parser.add_argument("--pp", type=positive_int, default=None, help="pipeline parallel size (overrides --config)")
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="overrides --config (default without it: 4096)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=fraction, default=None)
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}\'; '
                              '"none" drops the config\'s draft')
     parser.add_argument("--engine-kwargs", default=None, help="JSON of extra vLLM engine arguments, merged over the config's")
-    parser.add_argument("--layers", type=int, default=None, help="rehearse a Kimi-K3 slice of this many layers")
+    parser.add_argument("--layers", type=positive_int, default=None, help="rehearse a Kimi-K3 slice of this many layers")
     parser.add_argument("--executor", choices=("mp", "ray"), default="mp", help="vLLM's executor (default mp: one host)")
     parser.add_argument("--work-dir", default=None, help="where model configs, the spec and the log go (default: a temp dir)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the engine is stopped (default 1800)")
+    parser.add_argument("--timeout", type=positive_int, default=1800.0, help="seconds before the engine is stopped (default 1800)")
     parser.add_argument("--dry-run", action="store_true", help="print the engine kwargs, env and prediction; start nothing")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -214,7 +215,7 @@ def local_devices(world: int, dry_run: bool):
     if not gpus:
         if dry_run:
             spec = lookup_gpu("H200")
-            return RankDevice(spec.total_bytes, spec.compute_capability, name=spec.name), [f"H200 (declared)"] * world
+            return RankDevice(spec.total_bytes, spec.compute_capability, name=spec.name), ["H200 (declared)"] * world
         raise ConfigError("rehearse", "no GPU here", f"a machine with an NVIDIA GPU ({reason})")
     if world > len(gpus):
         raise ConfigError("args.parallel", f"{world} GPUs (tensor x pipeline parallel)",
