@@ -74,6 +74,28 @@ class Estimate:
 
 
 @dataclass(frozen=True)
+class StageCosts:
+    """What every rank of one pipeline stage holds besides its KV pool (identical ranks share one)."""
+
+    weights_bytes: int
+    weights_by_category: Mapping[str, int]
+    draft_bytes: int
+    activation_bytes: int
+    cuda_graph_bytes: int
+    non_torch_bytes: int
+    workspace_bytes: int
+    """Workspaces vLLM's profile sees: taken from the KV budget."""
+    after_kv_bytes: int
+    """Allocated after vLLM sizes the KV cache: must fit outside the budget."""
+
+    @property
+    def non_kv_bytes(self) -> int:
+        """What vLLM deducts from the budget before the KV cache."""
+        return (self.weights_bytes + self.draft_bytes + self.activation_bytes + self.cuda_graph_bytes
+                + self.non_torch_bytes + self.workspace_bytes)
+
+
+@dataclass(frozen=True)
 class RankMemory:
     rank: int
     pp_stage: int
@@ -303,7 +325,7 @@ def estimate_memory(
         local.append(frozenset(names))
 
     # Per stage (exact) weights and (estimated) non-KV.
-    stage_info = []
+    stage_costs: list[StageCosts] = []
     estimates: list[Estimate] = []
     for s, (start, end) in enumerate(stages):
         weights, by_cat = _stage_weights(model, layout, engine, s, start, end, ep_size, sp)
@@ -334,7 +356,7 @@ def estimate_memory(
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
                                   "post-snapshot non-torch: 0.45 GiB TP1 (fitted, H200 2026-11-30), 2.1 GiB TP>=2 (llm-d, H100)"))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
-        stage_info.append((weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
+        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
     rank_stage = [layout.stage_of_rank(r) for r in range(world)]
@@ -342,10 +364,9 @@ def estimate_memory(
     budgets = []
     for r in range(world):
         d = devs[r]
-        weights, _, draft_bytes, act, cg, nt, ws, _ = stage_info[rank_stage[r]]
         budget = math.ceil(d.total_bytes * engine.gpu_memory_utilization)
         budgets.append(budget)
-        avail.append(budget - (weights + draft_bytes + act + cg + nt + ws))
+        avail.append(budget - stage_costs[rank_stage[r]].non_kv_bytes)
     pool = plan_pool(grouping, [local[rank_stage[r]] for r in range(world)], avail,
                      max_model_len=engine.max_model_len, dcp=layout.dcp)
     state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
@@ -355,7 +376,7 @@ def estimate_memory(
     for r in range(world):
         d = devs[r]
         s = rank_stage[r]
-        weights, by_cat, draft_bytes, act, cg, nt, ws, after_kv = stage_info[s]
+        c = stage_costs[s]
         start_short = max(0, budgets[r] - d.free)
         shortfall = start_short + pool.shortfall_bytes[r]
         outside = _outside_budget(model, world, cc)
@@ -363,16 +384,18 @@ def estimate_memory(
         bpb = pool.bytes_per_block[r]
         ranks.append(RankMemory(
             rank=r, pp_stage=s, tp_rank=layout.tp_rank_of(r), dp_rank=layout.dp_rank_of(r),
-            total_bytes=d.total_bytes, free_bytes=d.free, weights_bytes=weights, weights_by_category=by_cat,
-            draft_bytes=draft_bytes, activation_bytes=act, cuda_graph_bytes=cg, non_torch_bytes=nt, workspace_bytes=ws,
+            total_bytes=d.total_bytes, free_bytes=d.free, weights_bytes=c.weights_bytes,
+            weights_by_category=c.weights_by_category, draft_bytes=c.draft_bytes, activation_bytes=c.activation_bytes,
+            cuda_graph_bytes=c.cuda_graph_bytes, non_torch_bytes=c.non_torch_bytes, workspace_bytes=c.workspace_bytes,
             budget_bytes=budgets[r], kv_cache_bytes=avail[r], kv_bytes_per_token=bpb / block_size if block_size else 0.0,
             block_size=block_size, page_bytes=page, bytes_per_block=bpb, state_bytes_per_seq=state_blocks * bpb,
             num_blocks=pool.num_blocks_per_worker[r], shortfall_bytes=shortfall,
             headroom_bytes=headroom, local_layers=len(local[s]),
-            after_kv_bytes=after_kv, warmup_shortfall_bytes=max(0, after_kv - max(headroom, 0)) if after_kv else 0,
+            after_kv_bytes=c.after_kv_bytes,
+            warmup_shortfall_bytes=max(0, c.after_kv_bytes - max(headroom, 0)) if c.after_kv_bytes else 0,
         ))
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
-    verdict = _verdict(ranks, devs, stage_info, rank_stage, pool)
+    verdict = _verdict(ranks, devs, [stage_costs[s] for s in rank_stage], pool)
     fits = verdict == "fits"
     safe_util = _safe_utilization(ranks, model, world, cc)
     warm = max(ranks, key=lambda x: x.warmup_shortfall_bytes)
@@ -416,13 +439,12 @@ def _outside_budget(model: ModelInventory, world: int, cc: tuple[int, int]) -> i
     return outside
 
 
-def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], stage_info, rank_stage, pool) -> str:
+def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Sequence[StageCosts], pool) -> str:
     """The first failure vLLM's start would meet (VERDICTS), or "fits"."""
     if any(r.budget_bytes > r.free_bytes for r in ranks):
         return "cannot_start"  # request_memory: free < util x total
     for r in ranks:
-        weights, _, draft_bytes, *_ = stage_info[rank_stage[r.rank]]
-        if weights + draft_bytes > devs[r.rank].free - PRE_SNAPSHOT_CONTEXT:
+        if costs[r.rank].weights_bytes + costs[r.rank].draft_bytes > devs[r.rank].free - PRE_SNAPSHOT_CONTEXT:
             return "oom_at_load"
     if any(s for s in pool.shortfall_bytes) or pool.num_blocks < pool.blocks_per_request:
         return "no_kv_space"
