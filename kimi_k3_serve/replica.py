@@ -4,6 +4,9 @@ Ray Serve LLM 2.60 runs ``callback_config.callback_class.on_before_node_init`` i
 placement group exists and before the model download, the engine config and the workers
 (``VLLMEngine.start``). ``ReplicaPreflight`` is that callback. It
 
+0. with an EAGLE3-family draft (``eagle3``, ``dspark``), asks vLLM whether the class it resolves for the target
+   on this platform declares ``SupportsEagle3`` (``kimi_k3_serve.draft_target``), so a target that cannot
+   take the draft is refused in seconds, not after its weights have loaded;
 1. reads the placement group's bundle-to-node table (``placement_group_table``);
 2. runs one short probe in every worker bundle (``num_cpus=0``; on GPUs ``num_gpus=0.001``, so Ray hands it
    the very GPU the bundle reserved, as Ray Serve LLM's own engine-config task does) that returns the bundle's
@@ -236,6 +239,28 @@ def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list
     return found, missing
 
 
+def check_draft_target(args: Any) -> str | None:
+    """An EAGLE3-family draft needs a target class that declares vLLM's ``SupportsEagle3`` on this platform
+    (``kimi_k3_serve.draft_target``): a line for the log, or ``ReplicaCheckError`` with the one-line refusal.
+    None when there is no draft."""
+    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
+    from kimi_k3_serve.draft_target import decide_draft_target, gather_target_class
+
+    spec = args.speculative
+    if spec is None:
+        return None
+    source = args.model.source
+    if source.startswith((CACHE_PREFIX, ".", "~")):
+        source = resolve_source(source, field="args.model.source")
+    target = gather_target_class(source)
+    refusal = decide_draft_target(spec.method, target.architecture, target.supports, target.reason)
+    if refusal is not None:
+        raise ReplicaCheckError(refusal)
+    if target.supports is None:
+        return f"draft target: {spec.method} draft on {target.architecture or args.model.source} {target.reason}"
+    return f"draft target: {spec.method} draft on {target.architecture}: {target.reason} declares SupportsEagle3"
+
+
 def check_replica(args: Any, pg: Any, *, comm_backend: str | None = None,
                   comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, env: Mapping[str, str] | None = None,
                   probe_timeout_s: float = 60.0) -> ReplicaCheckResult:
@@ -248,6 +273,7 @@ def check_replica(args: Any, pg: Any, *, comm_backend: str | None = None,
     from kimi_k3_serve.preflight import planner_inputs
 
     started = time.perf_counter()
+    draft_line = check_draft_target(args)  # first: a target that cannot take the draft refuses in seconds
     gpu = args.accelerator.kind == "gpu"
     backend = comm_backend or ("nccl" if gpu else "gloo")
     table = {int(k): v for k, v in placement_group_table(pg)["bundles_to_node_id"].items()}
@@ -255,6 +281,8 @@ def check_replica(args: Any, pg: Any, *, comm_backend: str | None = None,
     worker_bundles = [i for i, spec in enumerate(specs) if spec.get("GPU", 0) > 0] if gpu else sorted(table)
     probes = probe_bundles(pg, worker_bundles, gpu=gpu, timeout_s=probe_timeout_s)
     lines = [f"placement group: {len(specs)} bundles on {len(set(table.values()))} node(s)"]
+    if draft_line is not None:
+        lines.insert(0, draft_line)
     layout = _layout(args)
     order: list[int] | None = None
     report = None

@@ -211,3 +211,34 @@ def test_replica_whose_gpu_lost_memory_is_refused_before_engine_start(gpu_cluste
         remove_placement_group(pg)
         os.environ.pop("VLLM_RAY_BUNDLE_INDICES", None)
         wait_for_free_gpus()
+
+
+def test_target_that_cannot_take_the_draft_is_refused_before_anything_else(tmp_path):
+    """Mixtral's vLLM class does not declare SupportsEagle3: the hook refuses in its first step, asking the
+    installed vLLM's registry, before it reads the placement group (here a bare object nothing may touch)."""
+    from ray.serve.llm import LLMConfig
+
+    from kimi_k3_serve.replica import ReplicaCheckError, ReplicaPreflight
+
+    model_dir = tmp_path / "mixtral"
+    model_dir.mkdir()
+    shutil.copy(FIXTURES / "configs" / "mixtral-8x7b.json", model_dir / "config.json")
+    raw = {**serve_args(model_dir), "model": {"id": "mixtral", "source": str(model_dir)},
+           "speculative": {"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}}
+    llm_config = LLMConfig(model_loading_config={"model_id": "mixtral", "model_source": str(model_dir)},
+                           accelerator_type="H200",
+                           callback_config={"callback_class": ReplicaPreflight, "callback_kwargs": {"args": raw}})
+    hook = ReplicaPreflight(llm_config=llm_config, raise_error_on_callback=True,
+                            ctx_kwargs={"placement_group": object(), "runtime_env": {"env_vars": {}}}, args=raw)
+    started = time.perf_counter()
+    with pytest.raises(Exception) as refused:
+        asyncio.run(hook.run_callback("on_before_node_init"))
+    print(f"\n[refused in {time.perf_counter() - started:.2f} s: {refused.value}]")
+    error = refused.value if isinstance(refused.value, ReplicaCheckError) else refused.value.__cause__
+    assert isinstance(error, ReplicaCheckError), repr(refused.value)
+    message = str(error)
+    assert "\n" not in message
+    assert message.startswith("args.speculative.method 'eagle3' needs a target model class that declares vLLM's "
+                              "SupportsEagle3, but architecture MixtralForCausalLM resolves to "
+                              "vllm.model_executor.models.mixtral.MixtralForCausalLM")
+    assert hook.result is None and "VLLM_RAY_BUNDLE_INDICES" not in os.environ
