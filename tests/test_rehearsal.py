@@ -276,3 +276,20 @@ def test_rehearsal_config_is_a_valid_deploy_config(tmp_path, monkeypatch) -> Non
     # One node cannot hold it: the two pipeline stages go to two nodes, as on the GPU host's two raylets.
     assert main([*check, str(REPO_ROOT / "tests" / "fixtures" / "check" / "h200-1x8.yaml")]) == 1
     assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml"), "--dry-run"]) == 0
+
+
+def test_nvml_readings_of_the_h200_host_map_to_the_ray_gpu_ids_of_its_two_raylets() -> None:
+    # Two raylets on the host, CUDA_VISIBLE_DEVICES=0 and =1: Ray hands each bundle's probe the physical id its raylet
+    # sees ("0" on one node, "1" on the other); the node's NVML reading (recorded on the host) lists both GPUs.
+    from kimi_k3_serve.replica import BundleProbe, _gpus_by_bundle
+
+    reading = json.loads((RUNS / "host.json").read_text())["nvml"]
+    probes = [BundleProbe(0, "node-a", "10.0.0.1", ("0",), reading, 0), BundleProbe(1, "node-b", "10.0.0.1", ("1",), reading, 0)]
+    found, missing = _gpus_by_bundle(probes)
+    assert missing == []
+    assert found[0].uuid == "GPU-28558c17-e135-6c33-72a2-3c4812444375"
+    assert found[1].uuid == "GPU-c929b5c1-f804-41a7-72c4-d1580d0a561f"
+    # NVML v2's total minus its reserved part is what torch reported on that host (host.json torch_devices).
+    assert found[1].total_bytes == json.loads((RUNS / "host.json").read_text())["torch_devices"][1]["total_bytes"]
+    _, missing = _gpus_by_bundle([BundleProbe(1, "node-b", "10.0.0.1", ("7",), reading, 0)])
+    assert missing == ["bundle 1: GPU 7 not among NVML's [0, 1]"]
