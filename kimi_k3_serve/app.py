@@ -6,14 +6,14 @@ and builds the OpenAI-compatible app with Ray Serve LLM (``LLMConfig`` + ``build
 Serve autoscaling target that really scales (Serve LLM deep-merges a default target of 1e9 that never scales
 out; ours is merged over it).
 
-Two seams for later work:
-- ``preflight(args, llm_config)`` runs before anything is deployed, in the process that builds the app.
-  Today it resolves the model folders, asks Ray Serve LLM for the replica's placement group bundles and, on a
-  Ray cluster, checks that the cluster holds the logical resources of the first replicas. The per-GPU memory
-  planner plugs in here and returns its report through ``PreflightReport``.
-- A replica-start check (on the placement group Serve actually reserved, before vLLM loads anything) goes in
-  ``LLMConfig.callback_config``: Ray Serve LLM runs its ``on_before_node_init`` inside the replica, after the
-  placement group exists and before the engine starts. ``_llm_config`` is where it is set.
+Two checks:
+- ``preflight(args, llm_config)`` runs before anything is deployed, in the process that builds the app: it
+  resolves the model folders, asks Ray Serve LLM for the replica's placement group bundles, and runs
+  ``kimi_k3_serve.preflight.check_before_deploy`` (placement, then per-GPU or host memory); what it saw goes
+  to the Serve log through ``PreflightReport``.
+- The replica-start check (``kimi_k3_serve.replica``, on the placement group Serve actually reserved, before
+  vLLM loads anything) is set in ``LLMConfig.callback_config`` by ``_llm_config``: Ray Serve LLM runs its
+  ``on_before_node_init`` inside the replica, after the placement group exists and before the engine starts.
 """
 
 from __future__ import annotations
@@ -148,13 +148,8 @@ def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):
 
 
 def engine_kwargs(args: ServeArgs, draft_source: str | None) -> dict[str, Any]:
-    """vLLM engine arguments: ours from the typed sections, then the user's pass-through ones."""
-    if args.parallel.data_parallel_size != 1:
-        raise ConfigError(
-            "args.parallel.data_parallel_size",
-            args.parallel.data_parallel_size,
-            "this builder serves one engine per replica (1); scale with args.autoscaling instead",
-        )
+    """vLLM engine arguments: ours from the typed sections, then the user's pass-through ones. One engine per
+    replica: a validated ServeArgs has ``data_parallel_size`` 1 (``ServeArgs._cross_checks``)."""
     limits = args.limits
     kwargs: dict[str, Any] = {
         "tensor_parallel_size": args.parallel.tensor_parallel_size,

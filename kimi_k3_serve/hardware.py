@@ -41,11 +41,6 @@ class GpuSpec:
             major, f"sm{major}x"
         )
 
-    @property
-    def is_sm100_family(self) -> bool:
-        """Data-center Blackwell (SM100/SM103): what GEMM-AR/RS and the latent-MoE tail fusion require."""
-        return self.compute_capability[0] == 10
-
 
 def _gib(x: float) -> int:
     return round(x * GiB)

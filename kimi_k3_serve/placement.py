@@ -23,7 +23,6 @@ from kimi_k3_serve.errors import KimiK3ServeError
 from kimi_k3_serve.hardware import GpuSpec
 from kimi_k3_serve.layout import Layout
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 ACCELERATOR_HINT = 0.001  # what Ray Serve LLM adds per bundle for accelerator_type (vllm_models.py)
 
 

@@ -13,14 +13,6 @@ def fmt_gib(nbytes: int | float, digits: int = 2) -> str:
     return f"{nbytes / GiB:,.{digits}f} GiB"
 
 
-def fmt_gb(nbytes: int | float, digits: int = 2) -> str:
-    return f"{nbytes / GB:,.{digits}f} GB"
-
-
-def fmt_mib(nbytes: int | float, digits: int = 1) -> str:
-    return f"{nbytes / MiB:,.{digits}f} MiB"
-
-
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints (vLLM's ``cdiv``)."""
     return -(-a // b)
