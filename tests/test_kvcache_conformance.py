@@ -9,6 +9,9 @@ real ``KimiK3ForConditionalGeneration.get_mamba_state_shape_from_config``), the 
 ``get_kv_cache_configs`` (grouping, per-worker bytes per block, null block, min over workers) and
 ``get_max_concurrency_for_kv_cache_config`` run on them, with each stage's available KV memory taken from
 our report. Every number we report must match.
+
+These tests are the proof that the planner's numbers are vLLM's, so they never skip: without torch and vLLM 0.32
+(``pip install -e '.[cpu]'`` or ``'.[gpu]'``) the module fails to import and the run fails.
 """
 
 from __future__ import annotations
@@ -18,17 +21,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from vllm.config.cache import CacheConfig
+from vllm.v1.core import kv_cache_utils as vku
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
-
-from vllm.config.cache import CacheConfig  # noqa: E402
-from vllm.v1.core import kv_cache_utils as vku  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: E402
-
-from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings  # noqa: E402
-from kimi_k3_serve.memory import estimate_memory  # noqa: E402
-from kimi_k3_serve.models import load_model, read_config  # noqa: E402
+from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
+from kimi_k3_serve.memory import estimate_memory
+from kimi_k3_serve.models import load_model, read_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 H200 = RankDevice(150_109_880_320, (9, 0), name="H200")
