@@ -253,6 +253,18 @@ def test_rehearse_a_gpu_config_naming_more_gpus_than_the_machine_has() -> None:
     assert device.name == "H200" and len(labels) == 16
 
 
+def test_rehearse_refuses_more_gpus_than_the_machine_has() -> None:
+    from kimi_k3_serve.commands.rehearse import choose_devices
+
+    gpus = [GpuInfo(i, f"GPU-{i}", "NVIDIA H200", 150109880320, 149561498665, (9, 0), "node") for i in range(2)]
+    with pytest.raises(ConfigError, match=r"args.parallel: got '16 GPUs \(tensor x pipeline parallel\)'; at most the 2 GPU"):
+        choose_devices(gpus, None, 16, dry_run=False)
+    device, labels = choose_devices(gpus, None, 2, dry_run=False)
+    assert (device.total_bytes, device.free, labels) == (150109880320, 149561498665, ["GPU 0", "GPU 1"])
+    with pytest.raises(ConfigError, match="hides every GPU"):
+        choose_devices([], None, 1, dry_run=False)
+
+
 def test_rehearse_on_a_ray_cluster_plans_the_config_gpu_type(capsys) -> None:
     # With Ray's executor the workers run on the cluster's GPUs: no local GPU is needed, the plan takes args.accelerator.
     assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "config-b200.yaml"), "--executor", "ray", "--dry-run",

@@ -204,12 +204,17 @@ def cluster_devices(world: int, gpu_type: str | None):
 
 def local_devices(world: int, dry_run: bool):
     """(RankDevice for the plan, GPU labels) of the GPUs the engine will use; ConfigError without enough GPUs."""
-    from kimi_k3_serve.hardware import find_gpu_by_device_name, lookup_gpu
-    from kimi_k3_serve.layout import RankDevice
     from kimi_k3_serve.nvml import local_gpus
 
     gpus, reason, _ = local_gpus()
-    gpus = visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return choose_devices(visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")), reason, world, dry_run)
+
+
+def choose_devices(gpus: list, reason: str | None, world: int, dry_run: bool):
+    """The decision of ``local_devices`` on GPUs already read (``GpuInfo``, as CUDA will show them)."""
+    from kimi_k3_serve.hardware import find_gpu_by_device_name, lookup_gpu
+    from kimi_k3_serve.layout import RankDevice
+
     if not gpus and reason is None:
         reason = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides every GPU NVML sees"
     if not gpus:
