@@ -143,11 +143,21 @@ def test_busy_gpu_cannot_start(k3) -> None:
 
 
 def test_max_model_len_too_long_for_pool(k3) -> None:
-    r = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=1_048_576, gpu_memory_utilization=0.80), device("H200"))
-    need = r.blocks_per_request
-    assert r.fits == (r.num_blocks > need)
-    if not r.fits:
-        assert r.shortfall_bytes > 0
+    # TP8xPP2 on H200 at 0.80: the pool (887 blocks) holds one 512 Ki-token request, not one of 1 Mi tokens.
+    def at(max_model_len: int):
+        return estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=max_model_len,
+                                                                       gpu_memory_utilization=0.80), device("H200"))
+
+    short, fits = at(1_048_576), at(524_288)
+    assert short.num_blocks == fits.num_blocks  # the pool does not depend on the length; the request does
+    assert fits.num_blocks >= fits.blocks_per_request
+    assert (fits.fits, fits.verdict, fits.shortfall_bytes) == (True, "fits", 0)
+    assert short.num_blocks < short.blocks_per_request
+    assert (short.fits, short.verdict) == (False, "no_kv_space")
+    # vLLM's _check_enough_kv_cache_memory: one request's blocks against the pool less the null block.
+    rank = short.ranks[short.binding_rank]
+    assert short.shortfall_bytes == rank.shortfall_bytes > 0
+    assert rank.shortfall_bytes == rank.bytes_per_block * short.blocks_per_request - (rank.kv_cache_bytes - rank.bytes_per_block)
 
 
 def test_engine_defaults_follow_vllm_tiers() -> None:
