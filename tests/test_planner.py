@@ -139,11 +139,33 @@ def test_pins_are_honoured(k3):
     assert caught.value.field == "layer_partition"
 
 
-def test_uneven_partition_only_when_it_helps(k3):
+def _vllm_split(result):
+    """The candidate with vLLM's own layer split and the chosen layout's TP, PP and EP."""
+    return next(c for c in result.considered if c.layout == Layout(tp=8, pp=2, ep=result.layout.ep))
+
+
+def test_uneven_partition_when_it_holds_more(k3):
+    # The last stage also holds lm_head: on B200 it binds, and one layer moved off it (93 layers: vLLM splits 47/46)
+    # holds more requests.
     result = plan(k3, TARGET, declared_cluster("B200", 2), Pins(tp=8, pp=2))
-    if result.layout.layer_partition is not None:
-        default = next(c for c in result.considered if c.layout == Layout(tp=8, pp=2, ep=result.layout.ep))
-        assert result.report.max_concurrency > default.report.max_concurrency or not default.fits
+    default = _vllm_split(result)
+    assert default.fits and default.layout.stage_of_rank(default.report.binding_rank) == 1
+    assert result.layout.layer_partition == (48, 45)
+    assert result.report.max_concurrency > default.report.max_concurrency
+    assert result.env_vars["VLLM_PP_LAYER_PARTITION"] == "48,45"
+
+
+def test_uneven_partition_when_only_it_fits(k3):
+    # A length between what vLLM's split holds and what 48/45 holds: only the uneven split fits. The pool holds
+    # about max_concurrency x max_model_len tokens, so the midpoint is read off a plan at 1 Mi tokens.
+    cluster = declared_cluster("H200", 2)
+    probe = plan(k3, EngineSettings(max_model_len=1_048_576), cluster, Pins(tp=8, pp=2))
+    assert probe.layout.layer_partition == (48, 45)
+    length = int(1_048_576 * (probe.report.max_concurrency + _vllm_split(probe).report.max_concurrency) / 2)
+    result = plan(k3, EngineSettings(max_model_len=length), cluster, Pins(tp=8, pp=2))
+    default = _vllm_split(result)
+    assert (default.fits, default.report.verdict) == (False, "no_kv_space"), length
+    assert result.report.fits and result.layout.layer_partition == (48, 45), length
 
 
 def test_fake_gpus_cannot_be_sized(k3):
