@@ -17,7 +17,13 @@ def test_fits_json(capsys):
     assert main(BASE + ["--gpu", "H200", "--nodes", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is True
-    assert {k: data["layout"][k] for k in ("tp", "pp", "ep", "dp")} == {"tp": 8, "pp": 2, "ep": data["layout"]["ep"], "dp": 1}
+    assert {k: data["layout"][k] for k in ("tp", "pp", "ep", "dp")} == {"tp": 8, "pp": 2, "ep": False, "dp": 1}
+    # EP was weighed, not left out: the same layout with EP holds fewer requests here (the chosen one the most).
+    chosen = {k: v for k, v in data["layout"].items() if k != "describe"}
+    considered = [c for c in data["considered"] if c["fits"]]
+    with_ep = next(c for c in considered if {k: v for k, v in c["layout"].items() if k != "describe"} == {**chosen, "ep": True})
+    assert data["max_concurrency"] == max(c["max_concurrency"] for c in considered) > with_ep["max_concurrency"]
+    assert "enable_expert_parallel" not in data["engine_kwargs"]
     assert "layer_partition" in data["layout"]
     assert data["optimisations"]["gemm_rs"]["on"] is False and "Hopper" in data["optimisations"]["gemm_rs"]["reason"]
     assert len(data["ranks"]) == 16 and {r["node"] for r in data["ranks"]} == {"h200-0", "h200-1"}
