@@ -2,28 +2,47 @@
 
 The Ray head runs inside the test process (``ray.init``) with its own temp dir and ports, so it never touches
 another Ray cluster on the machine, and is shut down when the module that asked for it ends.
+
+Every Ray the tests start stays on this machine. Before anything imports Ray, this file sets, for this process
+and every process it starts (raylets, ``ray start``, ``serve run``):
+- ``RAY_USAGE_STATS_ENABLED=0``: nothing is reported to Ray's usage server;
+- ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: Ray's loopback mode (its default on macOS and Windows). On Linux Ray
+  turns ``127.0.0.1`` given as a node address into the machine's outward address
+  (``services.resolve_ip_for_localhost``), so ``_node_ip_address="127.0.0.1"`` alone does not keep it local;
+  in this mode the node address is 127.0.0.1 and the GCS, raylets, agents, workers and dashboard bind to it;
+- no ``RAY_ADDRESS``: no test joins a cluster it did not start.
+``assert_ray_stays_on_this_machine`` checks the result on the live Ray: each fixture that starts one calls it,
+and before every test that runs with Ray connected it runs again. A head without auth (the autoscaling test
+turns token auth off) is then reachable from nowhere but this machine.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import shutil
-import socket
-import sys
-import tempfile
-import time
-import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterator
 
-import pytest
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.pop("RAY_ADDRESS", None)
+
+import importlib.util  # noqa: E402
+import ipaddress  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
+
+import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RAY_LOGICAL_CPUS = 8
 APP_READY_TIMEOUT_S = 600
+LOOPBACK = "127.0.0.1"
 
 
 def load_script(name: str):
@@ -41,8 +60,91 @@ make_tiny_models = load_script("make_tiny_models")
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+# --- Ray stays on this machine ------------------------------------------------------------------------------------
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%", 1)[0])
+    mapped = getattr(address, "ipv4_mapped", None)  # "::ffff:127.0.0.1", as Ray's gRPC servers report it
+    return (mapped or address).is_loopback
+
+
+def _ray_processes(session_dir: str) -> tuple[list, list]:
+    """This Ray's own processes: (the ones that name its session dir: GCS, raylets, dashboard, monitors;
+    the workers and agents the raylets start, ``ray::...``). What a worker starts in turn (vLLM's engine
+    processes) is not Ray's and is in neither list."""
+    import psutil
+
+    services, workers = {}, {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if session_dir in " ".join(proc.info["cmdline"] or ()):
+                services[proc.pid] = proc
+                for child in proc.children():
+                    cmdline = " ".join(child.cmdline())
+                    if cmdline.startswith("ray::") or "default_worker.py" in cmdline:
+                        workers[child.pid] = child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return list(services.values()), [p for pid, p in workers.items() if pid not in services]
+
+
+def assert_ray_stays_on_this_machine() -> None:
+    """The Ray this process is connected to is this machine's alone: usage stats off (here and in every Ray
+    process), the GCS, every live raylet and the dashboard on 127.0.0.1, and no Ray process listening on an
+    address another machine can reach."""
+    import psutil
+    import ray
+    from ray._common.usage import usage_lib
+    from ray._private import ray_constants
+
+    assert not ray_constants.ENABLE_RAY_CLUSTER, "Ray is not in its loopback mode (imported before conftest?)"
+    assert not usage_lib.usage_stats_enabled(), "Ray usage stats are on"
+    gcs = ray.get_runtime_context().gcs_address
+    assert gcs.rsplit(":", 1)[0] == LOOPBACK, f"the GCS is at {gcs}"
+    nodes = {n["NodeID"][:8]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    assert nodes and set(nodes.values()) == {LOOPBACK}, f"raylets at {nodes}"
+    node = ray._private.worker.global_worker.node
+    if node.webui_url:
+        assert node.webui_url.rsplit(":", 1)[0] == LOOPBACK, f"the dashboard is at {node.webui_url}"
+    services, workers = _ray_processes(node.get_session_dir_path())
+    assert services, f"no process of the Ray session {node.get_session_dir_path()} found"
+    exposed, stats_on = [], []
+    for proc in [psutil.Process(), *services, *workers]:  # this driver too: its core worker listens
+        try:
+            name = " ".join(proc.cmdline())[:80]
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN and not _is_loopback(conn.laddr.ip):
+                    exposed.append(f"{conn.laddr.ip}:{conn.laddr.port} ({proc.pid} {name})")
+            # The services (the dashboard's usage reporter among them) run with the env they were started with.
+            if proc in services and proc.environ().get("RAY_USAGE_STATS_ENABLED") != "0":
+                stats_on.append(f"{proc.pid} {name}")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    assert not exposed, f"Ray listens beyond this machine: {exposed}"
+    assert not stats_on, f"Ray processes without RAY_USAGE_STATS_ENABLED=0: {stats_on}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_stays_on_this_machine() -> None:
+    """Set above, before any test module imports Ray; asserted here, and again in ``pytest_runtest_call``."""
+    assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and "RAY_ADDRESS" not in os.environ
+    if "ray._private.ray_constants" in sys.modules:
+        assert not sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER, "Ray is not in its loopback mode"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Before each test that runs with Ray connected (whichever fixture started it), Ray is still local only."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        assert_ray_stays_on_this_machine()
+    yield
 
 
 @pytest.fixture(scope="session")
@@ -83,12 +185,14 @@ def ray_head(tiny_models) -> Iterator[RayHead]:
     ray.init(
         num_cpus=RAY_LOGICAL_CPUS,
         include_dashboard=False,
+        _node_ip_address=LOOPBACK,
         _temp_dir=temp_dir,
         _metrics_export_port=head.metrics_port,
         _system_config={"metrics_report_interval_ms": 1000},
         log_to_driver=False,
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": head.http_port}, proxy_location="HeadOnly")
+    serve.start(http_options={"host": LOOPBACK, "port": head.http_port}, proxy_location="HeadOnly")
+    assert_ray_stays_on_this_machine()
     print(f"\n[Ray head + Serve up in {time.perf_counter() - start:.1f} s, HTTP {head.base_url}]")
     try:
         yield head

@@ -10,6 +10,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group  # noqa: E402
 
+from conftest import LOOPBACK, assert_ray_stays_on_this_machine  # noqa: E402
 from kimi_k3_serve.cluster import declared_cluster  # noqa: E402
 from kimi_k3_serve.layout import EngineSettings, Layout  # noqa: E402
 from kimi_k3_serve.live import live_inventory  # noqa: E402
@@ -22,15 +23,17 @@ H200_NODE = {"num_cpus": 1, "num_gpus": 8, "resources": {"accelerator_type:H200"
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    local = {"node_ip_address": LOOPBACK}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **local})
     nodes = {
-        "h200-a": cluster.add_node(**H200_NODE, labels={"ray.io/node-group": "h200"}),
-        "h200-b": cluster.add_node(**H200_NODE, labels={"ray.io/node-group": "h200"}),
-        "odd-5": cluster.add_node(num_cpus=1, num_gpus=5, resources={"odd": 1}),
-        "odd-3": cluster.add_node(num_cpus=1, num_gpus=3, resources={"odd": 1}),
+        "h200-a": cluster.add_node(**H200_NODE, **local, labels={"ray.io/node-group": "h200"}),
+        "h200-b": cluster.add_node(**H200_NODE, **local, labels={"ray.io/node-group": "h200"}),
+        "odd-5": cluster.add_node(num_cpus=1, num_gpus=5, resources={"odd": 1}, **local),
+        "odd-3": cluster.add_node(num_cpus=1, num_gpus=3, resources={"odd": 1}, **local),
     }
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    assert_ray_stays_on_this_machine()
     try:
         yield cluster, {name: node.node_id for name, node in nodes.items()}
     finally:
