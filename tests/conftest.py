@@ -27,6 +27,7 @@ os.environ.pop("RAY_ADDRESS", None)
 import importlib.util  # noqa: E402
 import ipaddress  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
@@ -73,16 +74,17 @@ def _is_loopback(ip: str) -> bool:
     return (mapped or address).is_loopback
 
 
-def _ray_processes(session_dir: str) -> tuple[list, list]:
-    """This Ray's own processes: (the ones that name its session dir: GCS, raylets, dashboard, monitors;
-    the workers and agents the raylets start, ``ray::...``). What a worker starts in turn (vLLM's engine
-    processes) is not Ray's and is in neither list."""
+def _ray_processes(session_dir: str, gcs_address: str) -> tuple[list, list]:
+    """This Ray's own processes: (the ones whose command line names its session dir or its GCS address: GCS,
+    raylets, dashboard, monitors, the Ray client server; the workers and agents the raylets start, ``ray::...``).
+    What a worker starts in turn (vLLM's engine processes) is not Ray's and is in neither list."""
     import psutil
 
+    names_this_ray = re.compile(rf"{re.escape(session_dir)}|{re.escape(gcs_address)}(?!\d)")
     services, workers = {}, {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if session_dir in " ".join(proc.info["cmdline"] or ()):
+            if names_this_ray.search(" ".join(proc.info["cmdline"] or ())):
                 services[proc.pid] = proc
                 for child in proc.children():
                     cmdline = " ".join(child.cmdline())
@@ -111,7 +113,7 @@ def assert_ray_stays_on_this_machine() -> None:
     node = ray._private.worker.global_worker.node
     if node.webui_url:
         assert node.webui_url.rsplit(":", 1)[0] == LOOPBACK, f"the dashboard is at {node.webui_url}"
-    services, workers = _ray_processes(node.get_session_dir_path())
+    services, workers = _ray_processes(node.get_session_dir_path(), gcs)
     assert services, f"no process of the Ray session {node.get_session_dir_path()} found"
     exposed, stats_on = [], []
     for proc in [psutil.Process(), *services, *workers]:  # this driver too: its core worker listens
@@ -192,9 +194,9 @@ def ray_head(tiny_models) -> Iterator[RayHead]:
         log_to_driver=False,
     )
     serve.start(http_options={"host": LOOPBACK, "port": head.http_port}, proxy_location="HeadOnly")
-    assert_ray_stays_on_this_machine()
     print(f"\n[Ray head + Serve up in {time.perf_counter() - start:.1f} s, HTTP {head.base_url}]")
     try:
+        assert_ray_stays_on_this_machine()
         yield head
     finally:
         try:

@@ -9,10 +9,11 @@ worker cap (max_replicas x nodes per replica) holds a third replica back, and th
 removes the nodes after the idle timeout.
 
 Isolation: ``ray stop`` would kill every Ray process on the machine, including other people's test clusters.
-This cluster uses its own free ports and temp dir, and ``ray start`` runs in a new session, so every process
-of the cluster (GCS, raylets, the autoscaler monitor and the worker nodes it launches) shares one process
-group; Ray's worker processes, which run in process groups of their own, are their children. Teardown signals exactly these processes
-(the group, their descendants, anything naming the temp dir) by pid.
+This cluster uses its own free ports and temp dir, binds 127.0.0.1 only (conftest), and ``ray start`` runs in a
+new session, so every process of the cluster (GCS, raylets, the autoscaler monitor and the worker nodes it
+launches) shares one process group; Ray's worker processes, which run in process groups of their own, are their
+children. Teardown signals exactly these processes (the group, their descendants, anything naming the temp dir)
+by pid.
 (``ray.cluster_utils.AutoscalingCluster`` is not used: in the 2.60 wheel it reads an example file the wheel
 does not ship, and its start/shutdown run a global ``ray stop --force``.)
 """
@@ -23,7 +24,6 @@ import atexit
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +35,7 @@ import psutil
 import pytest
 import yaml
 
+from conftest import LOOPBACK, assert_ray_stays_on_this_machine, free_port
 from kimi_k3_serve.commands.render import load_deploy_config, plan_replica, replica_shape_from_plan
 
 pytestmark = pytest.mark.ray
@@ -43,12 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 FAKE_CLUSTER_FILE = REPO / "cluster_configs" / "fake-h200.yaml"
 DEPLOY_CONFIG = REPO / "deploy" / "config.yaml"
 HEAD_NODE_TYPE = "ray.head.default"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _cluster_processes(pgid: int, temp_dir: str) -> list[psutil.Process]:
@@ -99,9 +94,8 @@ def fake_autoscaling_cluster():
 
     config = yaml.safe_load(FAKE_CLUSTER_FILE.read_text())
     head = config["available_node_types"][HEAD_NODE_TYPE]["resources"]
-    node_ip = ray._private.services.get_node_ip_address()
-    gcs_port = _free_port()
-    config["provider"]["gcs_address"] = f"{node_ip}:{gcs_port}"  # the provider assumes 6379 otherwise
+    gcs_port = free_port()
+    config["provider"]["gcs_address"] = f"{LOOPBACK}:{gcs_port}"  # the provider assumes 6379 otherwise
     # Short: Ray puts Unix sockets under it, and socket paths are limited to 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="k3fake")
     config_path = Path(temp_dir) / "autoscaling.json"
@@ -110,22 +104,24 @@ def fake_autoscaling_cluster():
     command = [
         str(ray_cli), "start", "--head",
         f"--port={gcs_port}",
+        f"--node-ip-address={LOOPBACK}",
         f"--num-cpus={head['CPU']}",
         "--num-gpus=0",
         f"--temp-dir={temp_dir}",
         f"--autoscaling-config={config_path}",
         "--include-dashboard=false",
-        f"--dashboard-port={_free_port()}",  # a minimal dashboard still starts, on 8265 unless told otherwise
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
+        f"--dashboard-port={free_port()}",  # a minimal dashboard still starts, on 8265 unless told otherwise
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
         "--object-store-memory=100000000",
         "--disable-usage-stats",
     ]
-    # Token auth switches itself on when ~/.ray/auth_token exists; this loopback test cluster opts out explicitly
-    # so the driver below (which does not read that file) can connect.
+    # Token auth switches itself on when ~/.ray/auth_token exists; this cluster opts out explicitly so the driver
+    # below (which does not read that file) can connect. Without auth it must be reachable from this machine
+    # only: asserted once the head is up and again when the autoscaler's nodes are.
     env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
     log_path = Path(temp_dir) / "ray-start.log"
@@ -134,7 +130,8 @@ def fake_autoscaling_cluster():
     try:
         rc = starter.wait(timeout=120)
         assert rc == 0, f"ray start failed ({rc}):\n{log_path.read_text()[-3000:]}"
-        ray.init(address=f"{node_ip}:{gcs_port}", logging_level="WARNING", log_to_driver=False)
+        ray.init(address=f"{LOOPBACK}:{gcs_port}", logging_level="WARNING", log_to_driver=False)
+        assert_ray_stays_on_this_machine()
         yield config
     finally:
         ray.shutdown()
@@ -221,6 +218,7 @@ def test_plan_placement_group_scales_fake_cluster_up_and_down(fake_autoscaling_c
     held_back = not third.wait(timeout_seconds=10)
     print(f"replica 3 (over max_replicas): pending after 10 s = {held_back}, GPU nodes {len(_gpu_nodes())}")
     assert held_back and len(_gpu_nodes()) == node_type["max_workers"]
+    assert_ray_stays_on_this_machine()  # the raylets the autoscaler started as well
 
     released = time.monotonic()
     for group in (third, second, first):

@@ -23,7 +23,15 @@ import openai
 import psutil
 import pytest
 
-from conftest import REPO_ROOT, RAY_LOGICAL_CPUS, free_port, load_script, wait_for_app
+from conftest import (
+    LOOPBACK,
+    RAY_LOGICAL_CPUS,
+    REPO_ROOT,
+    assert_ray_stays_on_this_machine,
+    free_port,
+    load_script,
+    wait_for_app,
+)
 from kimi_k3_serve.health import hang_detection_bound_s
 from kimi_k3_serve.serve_config import load_serve_app
 
@@ -170,9 +178,11 @@ class TestEngineFaults:
 
         temp_dir = tempfile.mkdtemp(prefix="kk3-fault-")
         port = free_port()
-        ray.init(num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        ray.init(num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _node_ip_address=LOOPBACK, _temp_dir=temp_dir,
+                 log_to_driver=False)
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+            serve.start(http_options={"host": LOOPBACK, "port": port}, proxy_location="HeadOnly")
+            assert_ray_stays_on_this_machine()
             serve.run_many([RunTarget(target=build_app(_args()), name=self.APP, route_prefix="/")],
                            wait_for_applications_running=False)
             print(f"\n[{self.APP} RUNNING after {wait_for_app(self.APP):.1f} s]")
@@ -236,16 +246,17 @@ class TestNodeLoss:
         cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 0, "gcs_server_port": free_port(), "temp_dir": temp_dir,
-                            "include_dashboard": False},
+                            "include_dashboard": False, "node_ip_address": LOOPBACK},
         )
-        workers = [cluster.add_node(num_cpus=4) for _ in range(2)]
+        workers = [cluster.add_node(num_cpus=4, node_ip_address=LOOPBACK) for _ in range(2)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        serve.start(http_options={"host": LOOPBACK, "port": port}, proxy_location="HeadOnly")
         cluster.http_port = port
         cluster.gpu_workers = workers
         try:
+            assert_ray_stays_on_this_machine()
             yield cluster
         finally:
             try:

@@ -33,8 +33,8 @@ def cluster():
     }
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    assert_ray_stays_on_this_machine()
     try:
+        assert_ray_stays_on_this_machine()
         yield cluster, {name: node.node_id for name, node in nodes.items()}
     finally:
         ray.shutdown()
