@@ -96,20 +96,15 @@ class StageCosts:
 
 
 @dataclass(frozen=True)
-class RankMemory:
+class RankMemory(StageCosts):
+    """One world rank: its stage's costs, its budget and its share of the engine's KV pool."""
+
     rank: int
     pp_stage: int
     tp_rank: int
     dp_rank: int
     total_bytes: int
     free_bytes: int
-    weights_bytes: int
-    weights_by_category: Mapping[str, int]
-    draft_bytes: int
-    activation_bytes: int
-    cuda_graph_bytes: int
-    non_torch_bytes: int
-    workspace_bytes: int
     budget_bytes: int
     kv_cache_bytes: int
     kv_bytes_per_token: float
@@ -121,15 +116,8 @@ class RankMemory:
     shortfall_bytes: int
     headroom_bytes: int
     local_layers: int = 0
-    after_kv_bytes: int = 0
-    """Allocated after the KV cache is sized (warmup workspaces vLLM's profile never saw); must fit in the headroom."""
     warmup_shortfall_bytes: int = 0
     """How far ``after_kv_bytes`` overruns the headroom: vLLM would OOM during warmup by this much."""
-
-    @property
-    def non_kv_bytes(self) -> int:
-        return (self.weights_bytes + self.draft_bytes + self.activation_bytes + self.cuda_graph_bytes
-                + self.non_torch_bytes + self.workspace_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return {
