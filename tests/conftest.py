@@ -95,10 +95,16 @@ def _ray_processes(session_dir: str, gcs_address: str) -> tuple[list, list]:
     return list(services.values()), [p for pid, p in workers.items() if pid not in services]
 
 
+SERVE_REPLICA = "ray::ServeReplica:"
+"""The one listener not on loopback that is allowed, once per Serve replica: Ray Serve 2.60 starts each replica's
+inter-deployment gRPC server on ``[::]:0``, hard-coded (``ray/serve/_private/replica.py``, ``_on_initialized``),
+with no setting to bind it elsewhere. Anything else a replica listens on beyond loopback fails the check."""
+
+
 def assert_ray_stays_on_this_machine() -> None:
     """The Ray this process is connected to is this machine's alone: usage stats off (here and in every Ray
     process), the GCS, every live raylet and the dashboard on 127.0.0.1, and no Ray process listening on an
-    address another machine can reach."""
+    address another machine can reach (but for ``SERVE_REPLICA``)."""
     import psutil
     import ray
     from ray._common.usage import usage_lib
@@ -118,10 +124,12 @@ def assert_ray_stays_on_this_machine() -> None:
     exposed, stats_on = [], []
     for proc in [psutil.Process(), *services, *workers]:  # this driver too: its core worker listens
         try:
-            name = " ".join(proc.cmdline())[:80]
-            for conn in proc.net_connections(kind="inet"):
-                if conn.status == psutil.CONN_LISTEN and not _is_loopback(conn.laddr.ip):
-                    exposed.append(f"{conn.laddr.ip}:{conn.laddr.port} ({proc.pid} {name})")
+            name = " ".join(proc.cmdline())[:80].rstrip()
+            wide = [c.laddr for c in proc.net_connections(kind="inet")
+                    if c.status == psutil.CONN_LISTEN and not _is_loopback(c.laddr.ip)]
+            if name.startswith(SERVE_REPLICA) and len(wide) == 1 and wide[0].ip == "::":
+                wide = []  # Serve's own inter-deployment server: see SERVE_REPLICA
+            exposed.extend(f"{a.ip}:{a.port} ({proc.pid} {name})" for a in wide)
             # The services (the dashboard's usage reporter among them) run with the env they were started with.
             if proc in services and proc.environ().get("RAY_USAGE_STATS_ENABLED") != "0":
                 stats_on.append(f"{proc.pid} {name}")

@@ -86,6 +86,22 @@ def test_bad_request_gets_an_openai_4xx_and_the_server_keeps_serving(name, dev_u
     _serves_normally(client)
 
 
+def test_n_is_bounded_by_max_num_seqs(dev_url, client):
+    """The ingress refuses more choices than one engine batch (args.limits.max_num_seqs, 8 in deploy/dev.yaml).
+    vLLM itself refuses only n > 16384 (VLLM_MAX_N_SEQUENCES), so 9 and 16384 are refused by the bound alone."""
+    bound = DEV.args.limits.max_num_seqs
+    assert bound == 8
+    sampled = {**CHAT, "temperature": 1.0, "max_tokens": 2}  # vLLM wants n = 1 with greedy sampling
+    for n in (bound + 1, 16384):
+        status, answer = _post(f"{dev_url}/v1/chat/completions", json.dumps({**sampled, "n": n}).encode())
+        assert status == 400, (n, status, answer)
+        assert f"n = {n} is more choices than one request may ask for here: at most {bound}" in answer["error"]["message"]
+    status, answer = _post(f"{dev_url}/v1/chat/completions", json.dumps({**sampled, "n": bound}).encode())
+    assert status == 200, (status, answer)
+    assert len(answer["choices"]) == bound
+    _serves_normally(client)
+
+
 def test_body_that_is_not_json_is_a_400_not_a_500(dev_url, client):
     """A JSON body sent as ``text/plain`` reaches validation as bytes; Ray Serve LLM's handler answered 500."""
     status, answer = _post(f"{dev_url}/v1/chat/completions", json.dumps(CHAT).encode(), content_type="text/plain")
