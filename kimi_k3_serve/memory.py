@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
@@ -162,7 +162,6 @@ class MemoryReport:
     safe_gpu_memory_utilization: float | None = None
     """The largest gpu_memory_utilization (to 0.005) at which every rank still has room for what vLLM allocates after
     sizing the KV cache; None when no value does."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def stage_ranks(self) -> list[RankMemory]:
         """The first rank of every stage (ranks of a stage on identical devices are identical)."""
