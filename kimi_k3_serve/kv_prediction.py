@@ -8,9 +8,13 @@ client holds what the engine core really made (``vllm_config.cache_config.num_gp
 
     KV cache: plan N blocks (T tokens), vLLM M blocks (U tokens): error +x.x %
 
-``error`` is ``(plan - vLLM) / vLLM``: positive when the plan promised more blocks than vLLM made. It is
-within the plan's margin when ``|error| <= margin`` (the report's ``kv_cache_margin_ratio`` when it states
-one, else ``DEFAULT_MARGIN``).
+``error`` is ``(plan - vLLM) / vLLM`` of the KV capacity in tokens (max concurrency x max_model_len, the same
+definition on both sides), else of the blocks: positive when the plan promised more than vLLM made. Tokens
+first, because for hybrid models (Kimi-K3's KDA + MLA groups) vLLM's ``num_gpu_blocks`` counts its pool's
+blocks per KV-cache group while the plan counts whole block sets: on the H200 Kimi-K3 slice run the plan's
+3,460 and vLLM's 9,743 blocks were the same capacity (233.00x vs 231.98x concurrency). It is within the plan's
+margin when ``|error| <= margin`` (the report's ``kv_cache_margin_ratio`` when it states one, else
+``DEFAULT_MARGIN``).
 ``report_kv_cache_prediction`` is the glue the replica runs after the engine starts: it logs the line
 (a warning beyond the margin) and sets the Ray gauge ``kimi_k3_serve_kv_cache_prediction_error_ratio``
 (tag ``model_id``); it never raises.
@@ -39,7 +43,7 @@ class KvComparison:
     vllm_blocks: int
     vllm_tokens: int | None
     error: float | None
-    """(plan - vLLM) / vLLM; None without a plan, or when vLLM made no block."""
+    """(plan - vLLM) / vLLM of tokens (else blocks); None without a plan, or when vLLM made no block."""
     margin: float
 
     @property
@@ -81,7 +85,9 @@ def compare_kv_cache(plan_blocks: int | None, plan_tokens: int | None, vllm_bloc
                      margin: float = DEFAULT_MARGIN) -> KvComparison:
     """The plan's KV pool against the one vLLM made."""
     error = None
-    if plan_blocks is not None and vllm_blocks > 0:
+    if plan_tokens is not None and vllm_tokens:
+        error = (plan_tokens - vllm_tokens) / vllm_tokens
+    elif plan_blocks is not None and vllm_blocks > 0:
         error = (plan_blocks - vllm_blocks) / vllm_blocks
     return KvComparison(plan_blocks, plan_tokens, int(vllm_blocks), vllm_tokens, error, margin)
 

@@ -305,3 +305,19 @@ def test_nvml_readings_of_the_h200_host_map_to_the_ray_gpu_ids_of_its_two_raylet
     assert found[1].total_bytes == json.loads((RUNS / "host.json").read_text())["torch_devices"][1]["total_bytes"]
     _, missing = _gpus_by_bundle([BundleProbe(1, "node-b", "10.0.0.1", ("7",), reading, 0)])
     assert missing == ["bundle 1: GPU 7 not among NVML's [0, 1]"]
+
+
+def test_replica_start_comparison_on_the_h200_slice_run_compares_capacity_not_block_counts() -> None:
+    # vLLM's num_gpu_blocks counts a hybrid pool's blocks per KV-cache group; the plan's blocks are whole block sets.
+    # Same capacity, different counts: the comparison goes by tokens, so this run is within the margin.
+    from vllm.config.cache import CacheConfig
+
+    from kimi_k3_serve.kv_prediction import comparison_of
+
+    report, reading = accuracy.predict_run(RUNS / "k4-tp1-serve-defaults-dspark")
+    engine = json.loads((RUNS / "k4-tp1-serve-defaults-dspark" / "result.json").read_text())["engine"]
+    cache = CacheConfig(block_size=engine["block_size"])
+    cache.num_gpu_blocks, cache.kv_cache_size_tokens = engine["num_gpu_blocks"], reading.kv_cache_tokens
+    c = comparison_of(report, cache)
+    assert (c.vllm_blocks, c.vllm_tokens) == (9743, 1_900_348) and report.num_blocks != 9743
+    assert c.within_margin and abs(c.error) < 0.01, c.line
