@@ -192,15 +192,23 @@ def ray_head(tiny_models) -> Iterator[RayHead]:
     temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
     head = RayHead(temp_dir=temp_dir, metrics_port=free_port(), http_port=free_port())
     start = time.perf_counter()
-    ray.init(
-        num_cpus=RAY_LOGICAL_CPUS,
-        include_dashboard=False,
-        _node_ip_address=LOOPBACK,
-        _temp_dir=temp_dir,
-        _metrics_export_port=head.metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-        log_to_driver=False,
-    )
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                num_cpus=RAY_LOGICAL_CPUS,
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+                _temp_dir=temp_dir,
+                _metrics_export_port=head.metrics_port,
+                _system_config={"metrics_report_interval_ms": 1000},
+                log_to_driver=False,
+            )
+            break
+        except Exception as exc:  # Ray waits 30 s for its raylet; a loaded 2-core machine can take longer, once
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+            print(f"\n[Ray head did not start in Ray's 30 s ({exc}); trying once more]")
+            ray.shutdown()
     serve.start(http_options={"host": LOOPBACK, "port": head.http_port}, proxy_location="HeadOnly")
     print(f"\n[Ray head + Serve up in {time.perf_counter() - start:.1f} s, HTTP {head.base_url}]")
     try:
