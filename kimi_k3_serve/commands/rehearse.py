@@ -161,18 +161,18 @@ def materialize_models(args, work: Path, layers: int | None):
     return args.model_copy(update=update), target_dir, draft_dir
 
 
-def engine_of(args, target_dir: Path, draft_dir: Path | None, executor: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """(engine kwargs, env) as the application builder deploys them, for dummy weights."""
+def engine_of(args, target_dir: Path, draft_dir: Path | None, executor: str,
+              resolved_tokens: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """(engine kwargs, env) as the application builder deploys them, for dummy weights. ``resolved_tokens`` is the
+    plan's ``max_num_batched_tokens``, what a Serve replica's vLLM picks when the config leaves it unset."""
     from kimi_k3_serve.app import engine_kwargs, env_vars
-    from kimi_k3_serve.memory import batch_defaults
 
     kwargs = engine_kwargs(args, str(draft_dir) if draft_dir else None)
     kwargs["load_format"] = "dummy"
     if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         kwargs["skip_tokenizer_init"] = True
     if "max_num_batched_tokens" not in kwargs:  # the Serve replica's vLLM sees no GPU: its fallback, not vllm.LLM's
-        tokens, _ = batch_defaults(0, "", "ray_serve")
-        kwargs["max_num_batched_tokens"] = min(tokens, kwargs["max_num_seqs"] * kwargs["max_model_len"])
+        kwargs["max_num_batched_tokens"] = resolved_tokens
     kwargs["distributed_executor_backend"] = executor
     return kwargs, env_vars(args)
 
@@ -347,8 +347,8 @@ def run(ns: argparse.Namespace) -> int:
         device, labels = cluster_devices(args.parallel.world_size, args.accelerator.type)
     else:
         device, labels = local_devices(args.parallel.world_size, ns.dry_run)
-    kwargs, env = engine_of(args, target_dir, draft_dir, ns.executor)
     report = predict(args, device)
+    kwargs, env = engine_of(args, target_dir, draft_dir, ns.executor, report.max_num_batched_tokens)
     result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels,
                               "plan": {"verdict": report.verdict, "fits": report.fits,
                                        "safe_gpu_memory_utilization": report.safe_gpu_memory_utilization,

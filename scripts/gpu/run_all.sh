@@ -12,6 +12,7 @@
 #   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes + the NCCL test (pytest -m gpu -k "serve or nccl")
 #   all            every phase in turn (a host without the 10-minute limit)
 # Each phase writes $OUT/<phase>.log and $OUT/<phase>.tar.gz (logs, readings, results), and $OUT/host.json once.
+# Work folders: $KIMI_K3_SERVE_GPU_RUNS (default /var/tmp/kk3-runs), models: $KIMI_K3_SERVE_MODEL_CACHE (/var/tmp/kk3-models).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
@@ -22,7 +23,7 @@ mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export KIMI_K3_SERVE_MODEL_CACHE="${KIMI_K3_SERVE_MODEL_CACHE:-/var/tmp/kk3-models}"
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 NO_COLOR=1 VLLM_LOGGING_COLOR=0
-runs=/var/tmp/kk3-runs
+runs="${KIMI_K3_SERVE_GPU_RUNS:-/var/tmp/kk3-runs}"  # outside the working tree: kept between calls while the host stays up
 mkdir -p "$runs"
 started=$(date +%s)
 
