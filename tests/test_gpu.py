@@ -2,6 +2,7 @@
 sees no GPU (CI is CPU-only); scripts/gpu/run_all.sh runs them on the GPU host.
 
 - rehearse a Kimi-K3 slice (every layer kind, MXFP4 experts, DSpark draft) on one GPU and on two (TP2);
+- ``serve run`` of the same app on one GPU (TP1 x PP1), with the replica check and the predicted-vs-vLLM KV line;
 - ``serve run deploy/gpu-rehearsal.yaml`` across two Ray nodes (two raylets, one GPU each): TP1 x PP2, DSpark on
   the last stage, the replica check on the reserved placement group (NVML -> Ray GPU ids, bundle order, NCCL across
   the nodes), the OpenAI API with the stock client, and vLLM's stage 1 on the node the plan chose;
@@ -131,28 +132,38 @@ def _get(url: str, timeout: float = 5) -> int:
         return 0
 
 
-def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
-    import openai
-    import ray
-    from ray.util.state import list_actors
+def one_gpu_config(out: Path) -> Path:
+    """deploy/gpu-rehearsal.yaml with one pipeline stage: the same app on the one GPU of a one-node cluster."""
+    import yaml
 
-    cluster, second, temp_dir = two_nodes
-    out = OUT / "serve-two-nodes"
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "gpu-rehearsal.yaml").read_text())
+    config["applications"][0]["args"]["parallel"]["pipeline_parallel_size"] = 1
+    path = out / "gpu-rehearsal-pp1.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check) -> None:
+    """``serve run CONFIG`` as a user runs it, then the OpenAI API with the stock client: models, completions, chat,
+    streaming with usage, 16 concurrent requests. ``check(logs)`` then asserts what the layout adds. Serve's and
+    the replica's logs, and the readings, are kept under ``out``."""
+    import openai
+
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "RAY_ADDRESS": cluster.address, "KIMI_K3_SERVE_MODEL_CACHE": str(kimi_slice)}
+    env = {**os.environ, "RAY_ADDRESS": address, "KIMI_K3_SERVE_MODEL_CACHE": str(MODEL_CACHE)}
     log = open(out / "serve-run.log", "w")
     started = time.monotonic()
     # `serve run`, Ray's own CLI (its click group, so no console script is needed on the host's PATH).
-    serve = subprocess.Popen([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run",
-                              str(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml")],
+    serve = subprocess.Popen([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)],
                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
     base = "http://127.0.0.1:8000"
+    readings: dict = {"config": str(config.relative_to(REPO_ROOT) if config.is_relative_to(REPO_ROOT) else config.name)}
     try:
         while _get(f"{base}/v1/models") != 200:
             assert serve.poll() is None, f"serve run exited with {serve.returncode}: {(out / 'serve-run.log').read_text()[-3000:]}"
             assert time.monotonic() - started < 900, "the application did not answer /v1/models in 900 s"
             time.sleep(5)
-        ready_s = time.monotonic() - started
+        readings["ready_seconds"] = round(time.monotonic() - started, 1)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         models = client.models.list()
         assert [m.id for m in models.data] == ["kimi-k3-slice"]
@@ -164,16 +175,79 @@ def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
                                                 max_tokens=8, stream=True, stream_options={"include_usage": True})
         chunks = list(stream)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+        t0 = time.monotonic()
         with ThreadPoolExecutor(16) as pool:
             done = list(pool.map(lambda i: client.completions.create(model="kimi-k3-slice", prompt=f"request {i}",
                                                                      max_tokens=16), range(16)))
+        readings["sixteen_concurrent_seconds"] = round(time.monotonic() - t0, 2)
         assert all(c.usage.completion_tokens == 16 for c in done)
+        logs = "\n".join(p.read_text(errors="replace") for p in Path(temp_dir).glob("session_*/logs/**/*")
+                         if p.is_file() and p.suffix in (".log", ".out", ".err"))
+        # What the replica's engine really chose where the config leaves a limit unset, and the replica's
+        # predicted-vs-vLLM KV line.
+        readings["engine_max_num_batched_tokens"] = re.findall(r"max_num_batched_tokens=(\d+)", logs)[:4]
+        readings["kv_prediction"] = re.findall(r"KV cache: plan .*", logs)[:4]
+        readings["replica_check"] = re.findall(r"replica check: .*", logs)[:12]
+        readings.update(check(logs) or {})
+        assert readings["kv_prediction"], "the replica logged no predicted-vs-vLLM KV line"
+    finally:
+        (out / "readings.json").write_text(json.dumps(readings, indent=1))
+        if serve.poll() is None:  # Ctrl-C, as a user stops `serve run`
+            os.killpg(serve.pid, 2)
+            try:
+                serve.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.pid, 9)
+        log.close()
+        for p in Path(temp_dir).glob("session_*/logs/serve/*.log"):
+            (out / p.name).write_text(p.read_text(errors="replace")[-400_000:])
+        for p in Path(temp_dir).glob("session_*/logs/worker-*"):  # the engine's own log (vLLM's memory lines)
+            text = p.read_text(errors="replace")
+            if "Model loading took" in text or "KV cache" in text:
+                (out / f"vllm-{p.name}").write_text(text[-400_000:])
 
+
+@pytest.fixture(scope="module")
+def one_node():
+    need_gpus(1)
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
+    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 8, "num_gpus": 1, "include_dashboard": False, "temp_dir": temp_dir,
+        "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "CUDA_VISIBLE_DEVICES": "0"}})
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, temp_dir
+    finally:
+        cluster.shutdown()
+
+
+def test_serve_run_on_one_gpu(kimi_slice, one_node) -> None:
+    """The product's serving path on a GPU: Ray Serve LLM + vLLM 0.32, the replica check on the placement group
+    Serve reserved (NVML read on the GPU Ray gave the worker), and the predicted-vs-vLLM KV line."""
+    cluster, temp_dir = one_node
+    out = OUT / "serve-one-gpu"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def check(logs: str) -> dict:
+        assert "replica check passed in" in logs, "the replica check did not pass (or logged nothing)"
+        return {}
+
+    serve_and_query(one_gpu_config(out), cluster.address, temp_dir, out, check)
+
+
+def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
+    import ray
+    from ray.util.state import list_actors
+
+    cluster, second, temp_dir = two_nodes
+
+    def check(logs: str) -> dict:
         # vLLM's stage 1 runs on the node the replica check chose for the last stage.
         ray.init(address=cluster.address, ignore_reinit_error=True, log_to_driver=False)
         workers = {a.pid: a.node_id for a in list_actors(filters=[("class_name", "=", "RayWorkerWrapper"), ("state", "=", "ALIVE")])}
-        logs = "\n".join(p.read_text(errors="replace") for p in Path(temp_dir).glob("session_*/logs/**/*")
-                         if p.is_file() and p.suffix in (".log", ".out", ".err"))
         chosen = re.search(r"VLLM_RAY_BUNDLE_INDICES=[\d,]+ \(last stage on node (\w+)\)", logs)
         assert chosen, "the replica check's bundle-order line is not in the logs"
         stage1_pid = None
@@ -184,20 +258,10 @@ def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
         assert workers[stage1_pid] == chosen[1], f"stage 1 on {workers[stage1_pid]}, the plan chose {chosen[1]}"
         assert "communication: nccl all-reduce and stage-to-stage send/recv across 2 nodes" in logs
         ray.shutdown()
-        (out / "readings.json").write_text(json.dumps({
-            "ready_seconds": round(ready_s, 1), "workers": {str(k): v for k, v in workers.items()},
-            "stage1_pid": stage1_pid, "planned_last_stage_node": chosen[1],
-            "replica_check": re.findall(r"replica check: .*", logs)[:12]}, indent=1))
-    finally:
-        if serve.poll() is None:  # Ctrl-C, as a user stops `serve run`
-            os.killpg(serve.pid, 2)
-            try:
-                serve.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve.pid, 9)
-        log.close()
-        for p in Path(temp_dir).glob("session_*/logs/serve/*.log"):
-            (out / p.name).write_text(p.read_text(errors="replace")[-400_000:])
+        return {"workers": {str(k): v for k, v in workers.items()}, "stage1_pid": stage1_pid,
+                "planned_last_stage_node": chosen[1]}
+
+    serve_and_query(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml", cluster.address, temp_dir, OUT / "serve-two-nodes", check)
 
 
 def _comm_test_on(cluster) -> str:

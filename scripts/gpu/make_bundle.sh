@@ -5,8 +5,9 @@
 #   grpcio-reflection 1.85.1, whose generated code refuses grpcio < 1.85.1, so `import ray.serve` failed on the host
 #   (tests/fixtures/gpu/2026-11-30/serve-two-nodes-attempt). Pinning grpcio makes the resolver pick a matching
 #   grpcio-reflection.
+# - py-spy: the serving benchmark samples the proxy, ingress and replica processes with it (scripts/gpu/bench_serving.py).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 shared="$here/../../../shared/gpu/make_bundle.sh"
 [ -f "$shared" ] || { echo "error: $shared not found (the shared GPU bundle recipe)"; exit 2; }
-bash "$shared" "${1:-.gpu-bundle}" "grpcio==1.84.0"
+bash "$shared" "${1:-.gpu-bundle}" "grpcio==1.84.0" "py-spy"

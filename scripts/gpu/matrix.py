@@ -58,12 +58,15 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-llm-defaults-b16384-s1024", 4, tokens=16384, seqs=1024),
         kimi("k8-tp1-b2048-s256-eagle3", 8, draft=EAGLE3),
         kimi("k4-tp1-b8192-s256-u080", 4, tokens=8192, util=0.80),
-        kimi("k4-tp1-b2048-s256-fp8kv", 4, kv="fp8"),
-        kimi("k8-tp1-b16384-s1024-u080", 8, tokens=16384, seqs=1024, util=0.80),
         other("llama-3.1-8b-tp1", "llama-3.1-8b.json"),
-        other("qwen3-30b-a3b-tp1", "qwen3-30b-a3b.json"),
+        # Not in the first calibration: what predicts these is held out (docs/memory-accuracy.md).
+        kimi("k8-tp1-serve-defaults-dspark", 8),
+        kimi("k4-tp1-b2048-s256-fp8kv", 4, kv="fp8"),
         other("deepseek-v2-lite-tp1", "deepseek-v2-lite.json"),
+        other("llama-3.1-8b-tp1-b16384-s1024", "llama-3.1-8b.json", tokens=16384, seqs=1024),
         kimi("k4-tp1-b8192-s1024-nodraft", 4, tokens=8192, seqs=1024, draft=None),
+        kimi("k8-tp1-b16384-s1024-u080", 8, tokens=16384, seqs=1024, util=0.80),
+        other("qwen3-30b-a3b-tp1", "qwen3-30b-a3b.json", expected_s=200),
         kimi("k8-tp1-b2048-s1024-u080-dspark", 8, seqs=1024, util=0.80),
     ],
     # Both GPUs of the host.

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu/make_bundle.sh .gpu-bundle          # on the dev machine; the parts go to /var/tmp/stash on the host
 #   . /var/tmp/stash/host_setup.sh /var/tmp/stash        # once per host: installs the bundle, sets PYTHONPATH/NCCL env
-#   bash scripts/gpu/run_all.sh PHASE [SECONDS]           # from the repository root; results land in $OUT (or ./gpu-out)
+#   bash scripts/gpu/run_all.sh PHASE [SECONDS] [--only JOB ...]  # from the repository root; results in $OUT (or ./gpu-out)
 #
 # Phases (each fits one 10-minute call; SECONDS is its deadline, default 540):
 #   matrix-tp1     rehearsals on one GPU each, side by side (Kimi-K3 slices, Llama-3.1-8B, Qwen3-30B-A3B, DeepSeek-V2-Lite)
@@ -18,6 +18,8 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 phase="${1:?usage: run_all.sh PHASE [SECONDS]}"
 deadline="${2:-540}"
+shift $(( $# < 2 ? $# : 2 ))
+matrix_args=("$@")  # e.g. --only NAME ...: passed to scripts/gpu/matrix.py
 out="${OUT:-$root/gpu-out}"
 mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
@@ -49,6 +51,23 @@ make_models() {
   python3 scripts/make_kimi_slice.py --layers 4 --out "$KIMI_K3_SERVE_MODEL_CACHE"
 }
 
+# Kernels built at the first engine start (FlashInfer's JIT modules, Triton's cache): about 3 minutes of a fresh
+# host's device time. Each phase packs them into $OUT/jit-cache.tar.gz; a later session carries that file into the
+# stash (/var/tmp/stash/jit-cache.tar.gz, or $KIMI_K3_SERVE_JIT_CACHE) and the first phase unpacks it.
+jit_dirs=(.cache/flashinfer .triton/cache .cache/vllm/flashinfer_autotune_cache)
+restore_jit_cache() {
+  local archive="${KIMI_K3_SERVE_JIT_CACHE:-/var/tmp/stash/jit-cache.tar.gz}"
+  [ -f "$archive" ] && [ ! -f "$runs/.jit-cache-restored" ] || return 0
+  tar -xzf "$archive" -C "$HOME" && touch "$runs/.jit-cache-restored" && echo "jit cache restored from $archive"
+}
+save_jit_cache() {
+  local present=()
+  for d in "${jit_dirs[@]}"; do [ -d "$HOME/$d" ] && present+=("$d"); done
+  [ ${#present[@]} -gt 0 ] && tar -czf "$out/jit-cache.tar.gz" -C "$HOME" "${present[@]}" 2>/dev/null \
+    && echo "jit cache: $(du -h "$out/jit-cache.tar.gz" | cut -f1) in $out/jit-cache.tar.gz"
+  return 0
+}
+
 left() { echo $(( deadline - ($(date +%s) - started) )); }
 
 pack() {  # pack DIR into $out/$phase.tar.gz
@@ -57,8 +76,8 @@ pack() {  # pack DIR into $out/$phase.tar.gz
 
 run_phase() {
   case "$1" in
-    matrix-tp1) python3 scripts/gpu/matrix.py --set tp1 --deadline "$(left)" --work "$runs/tp1" --out "$out" ;;
-    matrix-tp2) python3 scripts/gpu/matrix.py --set tp2 --deadline "$(left)" --work "$runs/tp2" --out "$out" ;;
+    matrix-tp1) python3 scripts/gpu/matrix.py --set tp1 --deadline "$(left)" --work "$runs/tp1" --out "$out" "${matrix_args[@]}" ;;
+    matrix-tp2) python3 scripts/gpu/matrix.py --set tp2 --deadline "$(left)" --work "$runs/tp2" --out "$out" "${matrix_args[@]}" ;;
     tests-rehearse|tests-serve)
       local k="rehearse"; [ "$1" = tests-serve ] && k="serve or nccl"
       export KIMI_K3_SERVE_GPU_OUT="$runs/$1"
@@ -73,11 +92,13 @@ run_phase() {
 {
   echo "== $phase on $(hostname) at $(date -u +%FT%TZ), deadline ${deadline} s"
   host_info
+  restore_jit_cache
   make_models
   if [ "$phase" = all ]; then
     for p in matrix-tp1 tests-rehearse matrix-tp2 tests-serve; do phase=$p; deadline=100000; run_phase "$p"; done
   else
     run_phase "$phase"
   fi
+  save_jit_cache
   echo "== done in $(( $(date +%s) - started )) s"
 } 2>&1 | tee "$out/$phase.log"
