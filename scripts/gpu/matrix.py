@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 DSPARK = '{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}'
 EAGLE3 = '{"method": "eagle3", "model": "kimi-k3-eagle3", "num_speculative_tokens": 3}'
-KIMI = ["--model", "moonshotai/Kimi-K3", "--engine-kwargs", '{"moe_backend": "marlin", "attention_backend": "FLASHMLA"}']
+KIMI_ENGINE = {"moe_backend": "marlin", "attention_backend": "FLASHMLA"}
+"""vLLM 0.32 asserts an fp8 prefill query for Kimi-K3 with an fp8 KV cache; the fp8 jobs add it."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class Job:
 
 def kimi(name: str, layers: int, *, tp: int = 1, pp: int = 1, tokens: int = 2048, seqs: int = 256, util: float = 0.92,
          draft: str | None = DSPARK, kv: str = "auto", max_len: int = 8192, expected_s: float = 150, extra=()) -> Job:
-    args = [*KIMI, "--layers", str(layers), "--tp", str(tp), "--pp", str(pp), "--max-num-batched-tokens", str(tokens),
+    kimi_kwargs = ["--engine-kwargs", json.dumps({**KIMI_ENGINE, **({"attention_config": {"use_prefill_query_quantization": True}}
+                                                                   if kv.startswith("fp8") else {})})]
+    args = ["--model", "moonshotai/Kimi-K3", *kimi_kwargs, "--layers", str(layers), "--tp", str(tp), "--pp", str(pp), "--max-num-batched-tokens", str(tokens),
             "--max-num-seqs", str(seqs), "--gpu-memory-utilization", str(util), "--kv-cache-dtype", kv,
             "--max-model-len", str(max_len), "--speculative-config", draft or "none", *extra]
     return Job(name, tp * pp, expected_s, tuple(args), ("kimi",))
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             job_dir.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
             cmd = [sys.executable, "-m", "kimi_k3_serve.cli", "rehearse", *job.args, "--json", "--work-dir", str(job_dir),
-                   "--timeout", str(max(30, end - time.monotonic() - 10))]
+                   "--timeout", str(int(max(30, end - time.monotonic() - 10)))]
             (job_dir / "job.json").write_text(json.dumps({"name": job.name, "command": cmd, "gpus": gpus}))
             with open(job_dir / "stdout.json", "w") as out, open(job_dir / "stderr.txt", "w") as err:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True)
