@@ -46,7 +46,10 @@ class AttentionPageSpec:
     page_size_padded: int | None = None
     dcp_sharded: bool = True
     draft_marker: bool = False
-    """``non_causal_multi_token_decode`` (DSpark draft layers); merges into the target's MLA group."""
+    """``non_causal_multi_token_decode`` (DSpark draft layers). They form their own KV-cache groups: on the H200
+    runs of 2026-11-30 vLLM 0.32 made 9 groups of 1 layer for a 4-layer slice (3 KDA, 1 MLA, 5 draft) and 7 groups
+    of 2 with one padding layer for an 8-layer slice (6 KDA, 2 MLA, 5 draft), which merging them into the target's
+    MLA bucket cannot give."""
 
     @property
     def unpadded_page_size_bytes(self) -> int:
@@ -64,9 +67,9 @@ class AttentionPageSpec:
         return cdiv(length, self.block_size) * self.page_size_bytes
 
     def merge_key(self) -> tuple:
-        """Specs that vLLM's ``merge`` accepts in one group share this key (the draft marker is OR-ed)."""
+        """Specs that vLLM's ``merge`` accepts in one group share this key (DSpark draft layers stay apart)."""
         return ("attn", self.block_size, self.num_kv_heads, self.head_size, self.head_size_v, self.dtype_bytes, self.mla,
-                self.state_content_bytes, self.page_size_padded, self.dcp_sharded)
+                self.state_content_bytes, self.page_size_padded, self.dcp_sharded, self.draft_marker)
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,8 @@ class EngineSettings:
     enforce_eager: bool = False
     moe_backend: str = "auto"
     """vLLM ``moe_backend``; ``deep_gemm_mega_moe`` (MegaMoE) is one of the ways sequence parallelism turns on."""
+    fp8_prefill_query: bool = False
+    """``attention_config.use_prefill_query_quantization``: vLLM 0.32 asserts it for Kimi-K3 with an fp8 KV cache."""
     usage_context: str = "ray_serve"
     """Who builds the engine args, which decides vLLM's defaults for unset limits (memory.batch_defaults):
     ``ray_serve`` (this product), ``openai_api_server`` (``vllm serve``) or ``llm_class`` (``vllm.LLM``)."""

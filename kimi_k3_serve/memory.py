@@ -44,10 +44,14 @@ SAMPLER_FP32_VOCAB_COPIES = 4
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
 probabilities / log-probabilities the sampler derives). Fitted on the H200 Kimi-K3 slice runs at 256 and 1024
 sequences (docs/memory-accuracy.md); the forward's output is still held, so the two add up."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": 33 * MiB, "default": 14 * MiB}
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.8 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the second capture's size, times
-the graphs). Fitted on H200, vLLM 0.32: a 4-layer Kimi-K3 slice with DSpark, TP1 (estimate 3.55 GiB) and
-Llama-3.1-8B, TP1 (0.76 GiB). Layer-count and TP dependence not yet measured: +-50%."""
+the graphs), for the target model. Fitted on H200, vLLM 0.32: a 4-layer Kimi-K3 slice without a draft, TP1
+(estimate 0.98 GiB for 102 graphs) and Llama-3.1-8B, TP1 (0.76 GiB). Layer-count and TP dependence not yet
+measured: +-50%."""
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(25.8 * MiB)}
+"""What a draft adds per captured graph (its own forward is captured with the target's). DSpark: the same slice with
+its DSpark draft gave 3.55 GiB for the same 102 graphs (H200, vLLM 0.32). EAGLE3: not measured (0)."""
 PRE_SNAPSHOT_CONTEXT = GiB // 2
 PRE_SNAPSHOT_NCCL = GiB
 """CUDA context (~0.5 GiB) and NCCL communicators (~1 GiB at TP >= 2) exist before vLLM's snapshot: they sit
@@ -56,7 +60,7 @@ FLASHINFER_MXFP4_WORKSPACE = int(1.6 * GiB)
 """FlashInfer TRTLLM MXFP4 MoE allocates ~1.6 GiB outside vLLM's pool on the first forward on Blackwell
 (kimi-k3-facts.md 2.5); charged to the headroom, not to the KV budget."""
 USAGE_CONTEXTS = ("ray_serve", "openai_api_server", "llm_class")
-VERDICTS = ("fits", "cannot_start", "oom_at_load", "no_kv_space", "oom_at_warmup")
+VERDICTS = ("fits", "cannot_start", "oom_at_load", "no_kv_space", "seqs_over_state_blocks", "oom_at_warmup")
 """vLLM's engine start, in order: the free-memory check (``request_memory``), loading the weights, sizing the KV
 cache from the profile (budget minus non-KV must hold one request), then warmup (allocations after the KV cache)."""
 KV_DTYPE_BYTES = {"auto": 0, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
@@ -207,8 +211,10 @@ def batch_defaults(total_bytes: int, device_name: str = "", usage_context: str =
     (``EngineArgs.get_batch_defaults``, engine/arg_utils.py). The tier comes from the device that the process
     building the engine args sees, and the usage context picks the column:
 
-    - ``ray_serve``: Ray Serve LLM builds the args with ``UsageContext.OPENAI_API_SERVER`` in the replica process,
-      which holds no GPU (its workers do), so vLLM falls back to device memory 0: 2048 / 256 on every GPU;
+    - ``ray_serve``: Ray Serve LLM 2.60 builds the args with ``UsageContext.OPENAI_API_SERVER`` in a Ray task on the
+      replica's placement group that holds a sliver of a GPU (``num_gpus: 0.001``: vllm_engine.py
+      ``_prepare_engine_config``, accelerators.py ``GPUAccelerator.get_remote_options``), so vLLM sees the GPU and
+      takes the ``vllm serve`` column. Measured: 8192 on an H200 (serve run of 2026-11-30, tests/fixtures/gpu);
     - ``openai_api_server`` (``vllm serve``): >= 160 GiB 16384 / 1024; >= 70 GiB and not an A100 8192 / 1024;
       else 2048 / 256;
     - ``llm_class`` (``vllm.LLM``): >= 160 GiB 16384 / 1024; >= 70 GiB and not an A100 16384 / 1024; else 8192 / 256.
@@ -216,8 +222,6 @@ def batch_defaults(total_bytes: int, device_name: str = "", usage_context: str =
     if usage_context not in USAGE_CONTEXTS:
         raise ConfigError("engine.usage_context", usage_context, f"expected one of {', '.join(USAGE_CONTEXTS)}")
     llm = usage_context == "llm_class"
-    if usage_context == "ray_serve":
-        total_bytes, device_name = 0, ""
     if total_bytes >= 160 * GiB:
         return 16384, 1024
     if total_bytes >= 70 * GiB and "a100" not in device_name.lower():
@@ -286,7 +290,8 @@ def estimate_memory(
     unset = [f"{name} {value:,}" for name, value, given in (("max_num_batched_tokens", mnbt, engine.max_num_batched_tokens),
                                                              ("max_num_seqs", seqs, engine.max_num_seqs)) if given is None]
     if unset:
-        why = {"ray_serve": "a Ray Serve replica builds the engine args without a GPU, so vLLM takes its smallest defaults",
+        why = {"ray_serve": f"Ray Serve LLM builds the engine args on a GPU of the replica, so vLLM takes its `vllm serve` "
+                            f"defaults for {ref.name or 'this GPU'}",
                "openai_api_server": f"vLLM's `vllm serve` defaults for {ref.name or 'this GPU'}",
                "llm_class": f"vLLM's `vllm.LLM` defaults for {ref.name or 'this GPU'}"}[engine.usage_context]
         notes.append(f"unset limits, as vLLM 0.32 will set them: {', '.join(unset)} ({why})")
@@ -382,8 +387,14 @@ def estimate_memory(
             warmup_shortfall_bytes=max(0, c.after_kv_bytes - max(headroom, 0)) if c.after_kv_bytes else 0,
         ))
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
-    verdict = _verdict(ranks, devs, [stage_costs[s] for s in rank_stage], pool)
+    full_graphs = bool(state_groups) and not engine.enforce_eager
+    verdict = _verdict(ranks, devs, [stage_costs[s] for s in rank_stage], pool, seqs if full_graphs else 0)
     fits = verdict == "fits"
+    if verdict == "seqs_over_state_blocks":
+        notes.append(
+            f"vLLM would refuse to capture CUDA graphs: max_num_seqs {seqs:,} exceeds the {pool.num_blocks:,} KV-cache "
+            f"blocks, and every decoding sequence holds one KDA state block (config/compilation.py); set max_num_seqs "
+            f"to at most {pool.num_blocks:,} or raise gpu_memory_utilization")
     safe_util = _safe_utilization(ranks, model, world, cc)
     warm = max(ranks, key=lambda x: x.warmup_shortfall_bytes)
     if warm.warmup_shortfall_bytes:
@@ -426,8 +437,10 @@ def _outside_budget(model: ModelInventory, world: int, cc: tuple[int, int]) -> i
     return outside
 
 
-def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Sequence[StageCosts], pool) -> str:
-    """The first failure vLLM's start would meet (VERDICTS), or "fits"."""
+def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Sequence[StageCosts], pool,
+             seqs_needing_state_blocks: int) -> str:
+    """The first failure vLLM's start would meet (VERDICTS), or "fits". ``seqs_needing_state_blocks``: max_num_seqs
+    where full CUDA graphs decode a hybrid model (each sequence then needs one state block), else 0."""
     if any(r.budget_bytes > r.free_bytes for r in ranks):
         return "cannot_start"  # request_memory: free < util x total
     for r in ranks:
@@ -435,6 +448,8 @@ def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Seq
             return "oom_at_load"
     if any(s for s in pool.shortfall_bytes) or pool.num_blocks < pool.blocks_per_request:
         return "no_kv_space"
+    if seqs_needing_state_blocks > pool.num_blocks:
+        return "seqs_over_state_blocks"  # compilation.py: max_num_seqs > kv_cache_config.num_blocks with Mamba layers
     if any(r.warmup_shortfall_bytes for r in ranks):
         return "oom_at_warmup"
     return "fits"
@@ -461,6 +476,10 @@ def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings) -> 
         raise ConfigError("layout.tp", layout.tp, f"must divide num_key_value_heads = {kv} or be a multiple of it")
     if engine.kv_cache_dtype == "fp8_ds_mla" and not model.uses_mla:
         raise ConfigError("engine.kv_cache_dtype", "fp8_ds_mla", "fp8_ds_mla is an MLA cache format; this model has no MLA layers")
+    if model.family == "kimi_k3" and engine.kv_cache_dtype.startswith("fp8") and not engine.fp8_prefill_query:
+        raise ConfigError("engine_kwargs.attention_config.use_prefill_query_quantization", False,
+                          f"expected true: vLLM 0.32 refuses Kimi-K3 with kv_cache_dtype {engine.kv_cache_dtype} without an fp8 "
+                          "prefill query (it asserts at load; seen on an H200 on 2026-11-30)")
     if model.is_hybrid and engine.mamba_ssm_cache_dtype == "float16":
         raise ConfigError("engine.mamba_ssm_cache_dtype", "float16", "KDA recurrent state supports auto, float32 and bfloat16")
     spec = engine.speculative
@@ -639,6 +658,8 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     modes = 2 if model.is_hybrid or model.uses_mla else 1  # FULL_AND_PIECEWISE
     shared = _forward_activation(model, layout, largest, start, end)
     per_graph = CUDA_GRAPH_PER_GRAPH.get(model.family, CUDA_GRAPH_PER_GRAPH["default"])
+    if engine.speculative is not None and stage == layout.pp - 1:
+        per_graph += CUDA_GRAPH_DRAFT_PER_GRAPH.get(engine.speculative.method, 0)
     est = shared + num_sizes * modes * per_graph
     return est, max(est // 2, GiB // 2), (
         f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {num_sizes} sizes x {modes} modes x "

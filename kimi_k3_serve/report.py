@@ -76,7 +76,8 @@ class CheckReport:
     seconds: float
     notes: tuple[str, ...] = ()
     engine_verdict: str = "fits"
-    """What vLLM 0.32 would do (``memory.VERDICTS``): fits, cannot_start, oom_at_load, no_kv_space, oom_at_warmup."""
+    """What vLLM 0.32 would do (``memory.VERDICTS``): fits, cannot_start, oom_at_load, no_kv_space,
+    seqs_over_state_blocks, oom_at_warmup."""
     safe_gpu_memory_utilization: float | None = None
     """The largest utilization that leaves room for what vLLM allocates after sizing the KV cache."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -163,6 +164,10 @@ def build_report(
                    f"{worst.gpu_index}) by {fmt_gib(worst_rank.warmup_shortfall_bytes)}: {fmt_gib(worst_rank.after_kv_bytes)} "
                    "allocated after the KV cache is sized (FlashKDA prefill buffers) does not fit outside the budget"
                    + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
+    elif memory.verdict == "seqs_over_state_blocks":
+        verdict = (f"does not fit: max_num_seqs {memory.max_num_seqs:,} exceeds the {memory.num_blocks:,} KV-cache blocks "
+                   "and each decoding sequence holds one KDA state block, so vLLM would refuse to capture CUDA graphs; "
+                   f"set max_num_seqs to at most {memory.num_blocks:,} or raise gpu_memory_utilization")
     elif memory.shortfall_bytes > 0:
         worst = max(rows, key=lambda row: row.shortfall_bytes)
         short = [row for row in rows if not row.fits]

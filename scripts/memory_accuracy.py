@@ -35,7 +35,8 @@ from kimi_k3_serve.units import GiB  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 FIT_RUNS = {
-    "k4-tp1-serve-defaults-dspark": "sampler copies, TP1 non-torch, Kimi-K3 per-graph CUDA-graph cost",
+    "k4-tp1-serve-defaults-dspark": "sampler copies, TP1 non-torch, DSpark's per-graph CUDA-graph cost",
+    "k4-tp1-b8192-s1024-nodraft": "Kimi-K3 per-graph CUDA-graph cost (without a draft)",
     "k4-tp1-b8192-s256-u080": "sampler copies, TP1 non-torch",
     "k4-tp1-llm-defaults-b16384-s1024": "sampler copies, TP1 non-torch",
     "llama-3.1-8b-tp1": "default per-graph CUDA-graph cost",
@@ -43,6 +44,12 @@ FIT_RUNS = {
 """Runs whose numbers set a fitted constant of kimi_k3_serve.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark"}
 """A repeat of another run's settings (the first engine start of the host, kernels still being built)."""
+SERVE_RUNS = {
+    # `serve run` of deploy/gpu-rehearsal.yaml at PP1 (tests/test_gpu.py::test_serve_run_on_one_gpu). Its vllm.log is
+    # the replica's and the Ray worker's logs together. max_num_batched_tokens is what the replica's engine chose.
+    "serve-one-gpu": matrix.kimi("serve-one-gpu", 4, tokens=8192, seqs=64, util=0.85),
+}
+"""Engines that Ray Serve started (not a rehearsal): the rehearsal flags with the deploy config's settings."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,33 @@ class RunAccuracy:
 
 
 def _job(name: str) -> matrix.Job:
-    jobs = {j.name: j for js in matrix.SETS.values() for j in js}
+    jobs = {j.name: j for js in matrix.SETS.values() for j in js} | SERVE_RUNS
     return jobs[SAME_AS.get(name, name)]
+
+
+def _root_cause(errors) -> str:
+    """vLLM's own reason among a failed start's error lines (not the engine core's generic wrapper)."""
+    causes = [e.split("] ", 1)[-1] for e in errors if "Error:" in e and "Engine core initialization failed" not in e
+              and "Worker failed with error" not in e]
+    return (causes[0] if causes else errors[-1].split("] ", 1)[-1] if errors else "no error logged")[:200]
+
+
+def _recorded_flags(run_dir: Path) -> list[str]:
+    """The rehearsal flags the run was started with (job.json's command), else its matrix entry's."""
+    job = run_dir / "job.json"
+    command = json.loads(job.read_text()).get("command") if job.is_file() else None
+    if not command or "rehearse" not in command:
+        return list(_job(run_dir.name).args)
+    flags = command[command.index("rehearse") + 1:]
+    out, skip = [], False
+    for flag in flags:  # where the run wrote, and how long it could take, do not change the prediction
+        if skip:
+            skip = False
+        elif flag in ("--work-dir", "--timeout"):
+            skip = True
+        elif flag != "--json":
+            out.append(flag)
+    return out
 
 
 def predict_run(run_dir: Path):
@@ -81,7 +113,7 @@ def predict_run(run_dir: Path):
     total = host["torch_devices"][0]["total_bytes"]
     worker = reading.workers[0] if reading.workers else None
     free = worker.free_at_start_bytes if worker and worker.free_at_start_bytes else total
-    ns = build_parser().parse_args(["rehearse", *_job(run_dir.name).args])
+    ns = build_parser().parse_args(["rehearse", *_recorded_flags(run_dir)])
     args = rehearse.serve_args_of(ns)
     with tempfile.TemporaryDirectory() as work:
         args, _, _ = rehearse.materialize_models(args, Path(work), ns.layers)
@@ -90,23 +122,37 @@ def predict_run(run_dir: Path):
 
 
 def accuracy(run_dir: Path) -> RunAccuracy:
+    from kimi_k3_serve.errors import ConfigError
     from kimi_k3_serve.rehearsal.compare import measured_verdict
+    from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 
-    report, reading = predict_run(run_dir)
+    base = SAME_AS.get(run_dir.name, run_dir.name)
+    role = "fit" if base in FIT_RUNS else "validation"
+    note = FIT_RUNS.get(base, "")
+    if run_dir.name in SAME_AS:
+        note = f"repeat of {SAME_AS[run_dir.name]} (first start on the host)"
+    try:
+        report, reading = predict_run(run_dir)
+    except ConfigError as error:  # today's plan refuses the settings the run used
+        reading = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"))
+        w = reading.workers[0] if reading.workers else None
+        refused = _root_cause(reading.errors)
+        return RunAccuracy(run_dir.name, role, reading.started, "refused" if not reading.started else "fits", "refused",
+                           (0, w.model_load_bytes if w else None), (0, None), (0, None), (0, None),
+                           note=f"the plan now refuses these settings ({error}); vLLM: {refused}")
     rank = report.ranks[0]
     w = reading.worker_of_rank(0) or (reading.workers[0] if reading.workers else None)
     load = w.model_load_bytes if w else None
     kv = w.available_kv_bytes if w else None
     cg = w.cuda_graph_estimate_bytes if w else None
     profile = w.profiled_non_kv_bytes if w else None
-    role = "fit" if SAME_AS.get(run_dir.name, run_dir.name) in FIT_RUNS else "validation"
-    note = FIT_RUNS.get(SAME_AS.get(run_dir.name, run_dir.name), "")
-    if run_dir.name in SAME_AS:
-        note = f"repeat of {SAME_AS[run_dir.name]} (first start on the host)"
+    measured = measured_verdict(reading)
     if not reading.started and reading.oom is None:
-        note = (note + "; " if note else "") + "stopped at the call's deadline while loading: weights only"
+        why = (f"vLLM stopped: {_root_cause(reading.errors)}" if reading.errors
+               else "stopped at the call's deadline while loading: weights only")
+        note = (note + "; " if note else "") + why
     return RunAccuracy(
-        name=run_dir.name, role=role, started=reading.started, measured_verdict=measured_verdict(reading),
+        name=run_dir.name, role=role, started=reading.started, measured_verdict=measured,
         predicted_verdict=report.verdict, weights=(rank.weights_bytes + rank.draft_bytes, load),
         profile=(rank.activation_bytes + rank.non_torch_bytes + rank.workspace_bytes, profile),
         cuda_graph=(rank.cuda_graph_bytes, cg), kv=(rank.kv_cache_bytes, kv), note=note,
@@ -119,6 +165,10 @@ def all_runs() -> list[RunAccuracy]:
 
 def _cell(pair: tuple[int, int | None]) -> str:
     plan, vllm = pair
+    if not plan and vllm is None:
+        return "-"
+    if not plan:
+        return f"- / {vllm / GiB:.2f}"
     if vllm is None:
         return f"{plan / GiB:.2f} / - "
     err = RunAccuracy.error(pair)
@@ -148,7 +198,8 @@ def render(runs: list[RunAccuracy]) -> str:
     lines.append("")
 
     def errors(kind: str, role: str | None = None) -> list[float]:
-        return [abs(e) for r in runs if role in (None, r.role) for e in [RunAccuracy.error(getattr(r, kind))] if e is not None]
+        return [abs(e) for r in runs if role in (None, r.role) and getattr(r, kind)[0]
+                for e in [RunAccuracy.error(getattr(r, kind))] if e is not None]
 
     weights, kv_all, kv_val = errors("weights"), errors("kv"), errors("kv", "validation")
     verdicts = [r for r in runs if r.measured_verdict != "unknown"]
@@ -161,6 +212,8 @@ def render(runs: list[RunAccuracy]) -> str:
         f"max {max(kv_all) * 100:.2f} % over {len(kv_all)} runs; validation runs with a KV cache: {len(kv_val)}"
         + (f" (max {max(kv_val) * 100:.2f} %)" if kv_val else " -- every run that reached the KV cache was used for fitting, "
            "so the KV goal on held-out runs is not shown yet"),
+        f"- KV pool, largest absolute error: {max(abs(r.kv[0] - r.kv[1]) for r in runs if r.kv[1] is not None and r.kv[0]) / GiB:.2f} GiB "
+        "(a small pool, as on a near-miss, makes a small absolute error a large relative one).",
         f"- Verdict: right on {sum(r.predicted_verdict == r.measured_verdict for r in verdicts)} of {len(verdicts)} runs "
         "that ended (a run stopped at the call's deadline has no verdict).",
         "",

@@ -78,7 +78,8 @@ def test_mla_kv_per_token_and_kda_state_golden(k3) -> None:
     (Layout(tp=8, pp=2), "auto", 768), (Layout(tp=8, pp=2), "fp8", 1536), (Layout(tp=16, ep=True), "auto", 384),
 ])
 def test_hybrid_block_size_golden(k3, layout, kv_dtype, block) -> None:
-    r = estimate_memory(k3, layout, EngineSettings(max_model_len=32768, kv_cache_dtype=kv_dtype), device("H200"))
+    engine = EngineSettings(max_model_len=32768, kv_cache_dtype=kv_dtype, fp8_prefill_query=kv_dtype.startswith("fp8"))
+    r = estimate_memory(k3, layout, engine, device("H200"))
     assert r.block_size == block
     assert r.stage_ranks()[0].page_bytes == (884_736 if layout.tp == 8 else 442_368)
 
@@ -93,9 +94,11 @@ def test_groups_padding_and_allocator_cost(k3, dspark) -> None:
     assert plain.blocks_per_request == 43 + 3 * 3
     spec = SpeculativeSettings("dspark", 7, draft=dspark)
     drafted = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, speculative=spec), device("H200"))
-    assert (drafted.num_kv_groups, drafted.padding_layers) == (4, 18)
-    assert drafted.stage_ranks()[1].bytes_per_block == 18 * 884_736  # 13 MLA + 5 draft MLA slots
-    assert drafted.blocks_per_request == 43 + 3 * (2 + 7 + 1)
+    # DSpark's 5 draft layers are a bucket of their own (as on the H200), so groups hold 5 layers: 69 KDA layers in
+    # 14 groups (1 padding), 24 MLA layers in 5 (1 padding), the draft in 1.
+    assert (drafted.num_kv_groups, drafted.padding_layers) == (20, 2)
+    assert [r.bytes_per_block for r in drafted.stage_ranks()] == [3 * 884_736, 5 * 884_736]  # the draft group: 5 slots
+    assert drafted.blocks_per_request == 398
     no_prefix = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, enable_prefix_caching=False), device("H200"))
     assert no_prefix.blocks_per_request == 43 + 3
 
@@ -145,7 +148,8 @@ def test_busy_gpu_cannot_start(k3) -> None:
 def test_max_model_len_too_long_for_pool(k3) -> None:
     # TP8xPP2 on H200 at 0.80: the pool (887 blocks) holds one 512 Ki-token request, not one of 1 Mi tokens.
     def at(max_model_len: int):
-        return estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=max_model_len,
+        return estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=max_model_len, max_num_seqs=256,
+                                                                       max_num_batched_tokens=2048,
                                                                        gpu_memory_utilization=0.80), device("H200"))
 
     short, fits = at(1_048_576), at(524_288)
@@ -173,27 +177,55 @@ def test_engine_defaults_follow_vllm_tiers() -> None:
     assert batch_defaults(device("RTX-3090").total_bytes, "", "llm_class") == (8192, 256)
 
 
-def test_ray_serve_replica_sees_no_gpu_so_vllm_falls_back() -> None:
-    # Ray Serve LLM builds the engine args in a replica that holds no GPU: vLLM's device query fails and it uses
-    # the smallest tier on every GPU, B200 included.
-    for name in ("H200", "B200", "A100-80GB"):
-        assert batch_defaults(device(name).total_bytes, "", "ray_serve") == (2048, 256)
-    assert batch_defaults(device("H200").total_bytes) == (2048, 256)  # the product's path is the default
+def test_ray_serve_replica_takes_the_vllm_serve_defaults_of_its_gpu() -> None:
+    # Ray Serve LLM builds the engine args in a task holding a sliver of one of the replica's GPUs, so vLLM takes
+    # the `vllm serve` column for that GPU (measured on an H200: 8192 batched tokens).
+    assert batch_defaults(device("H200").total_bytes, "NVIDIA H200", "ray_serve") == (8192, 1024)
+    assert batch_defaults(device("B200").total_bytes, "NVIDIA B200", "ray_serve") == (16384, 1024)
+    assert batch_defaults(device("A100-80GB").total_bytes, "NVIDIA A100-SXM4-80GB", "ray_serve") == (2048, 256)
+    assert batch_defaults(device("H200").total_bytes) == (8192, 1024)  # the product's path is the default
+    assert batch_defaults(device("H200").total_bytes, "", "llm_class") == (16384, 1024)
     with pytest.raises(ConfigError, match="engine.usage_context"):
         batch_defaults(device("H200").total_bytes, "", "serve")
 
 
 def test_unset_limits_resolve_as_the_serving_path_would(k3) -> None:
     served = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768), device("H200"))
-    assert (served.max_num_batched_tokens, served.max_num_seqs) == (2048, 256)
-    assert any(n.startswith("unset limits, as vLLM 0.32 will set them: max_num_batched_tokens 2,048, max_num_seqs 256 (a Ray "
-                            "Serve replica") for n in served.notes)
+    assert (served.max_num_batched_tokens, served.max_num_seqs) == (8192, 1024)
+    assert any(n.startswith("unset limits, as vLLM 0.32 will set them: max_num_batched_tokens 8,192, max_num_seqs 1,024 "
+                            "(Ray Serve LLM builds the engine args on a GPU") for n in served.notes)
     pinned = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, max_num_seqs=8,
                                                                      max_num_batched_tokens=4096), device("H200"))
     assert not any(n.startswith("unset limits") for n in pinned.notes)
     offline = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, usage_context="llm_class"),
                               device("H200"))
     assert (offline.max_num_batched_tokens, offline.max_num_seqs) == (16384, 1024)
+
+
+def test_too_many_sequences_for_the_state_blocks_is_refused_as_vllm_does(k3) -> None:
+    # vLLM (config/compilation.py): with KDA layers and full CUDA graphs every decoding sequence needs one block.
+    def at(seqs: int, eager: bool = False):
+        return estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(
+            max_model_len=32768, max_num_seqs=seqs, max_num_batched_tokens=8192, enforce_eager=eager), device("H200"))
+
+    lo, hi = 8, 4000  # the largest max_num_seqs that fits (more sequences also take sampler memory)
+    assert at(lo).verdict == "fits" and at(hi).verdict == "seqs_over_state_blocks"
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if at(mid).verdict == "fits" else (lo, mid)
+    assert at(lo).num_blocks >= lo
+    over = at(hi)
+    assert (over.verdict, over.fits) == ("seqs_over_state_blocks", False) and over.num_blocks < hi
+    assert any(f"set max_num_seqs to at most {over.num_blocks:,}" in n for n in over.notes)
+    assert at(hi, eager=True).verdict == "fits"  # no CUDA graphs, no such check
+
+
+def test_fp8_kv_on_kimi_k3_needs_the_fp8_prefill_query(k3) -> None:
+    with pytest.raises(ConfigError, match="engine_kwargs.attention_config.use_prefill_query_quantization"):
+        estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, kv_cache_dtype="fp8"), device("H200"))
+    ok = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, kv_cache_dtype="fp8",
+                                                                 fp8_prefill_query=True), device("H200"))
+    assert ok.fits
 
 
 def test_pp_partition_rules(k3) -> None:

@@ -125,7 +125,8 @@ def test_without_max_model_len_the_model_config_length_is_used_when_it_fits(caps
 
 
 def test_without_max_model_len_the_length_is_capped_at_the_longest_that_fits(capsys) -> None:
-    layout = ("--gpu", "H200", "--tp", "8", "--pp", "2", "--gpu-memory-utilization", "0.8")
+    # max_num_seqs pinned: vLLM's unset default (1,024 on an H200) exceeds the pool's blocks at every length.
+    layout = ("--gpu", "H200", "--tp", "8", "--pp", "2", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "64")
     code, out, _ = run_cli(capsys, *layout, "--json")
     assert code == 0
     data = json.loads(out)

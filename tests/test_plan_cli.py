@@ -94,7 +94,8 @@ def test_without_max_model_len_the_model_config_length_is_used_when_it_fits(caps
 
 def test_without_max_model_len_the_length_is_capped_at_the_longest_that_fits(capsys):
     # At gpu_memory_utilization 0.8 the 2 x 8 H200 KV pool holds less than one 1,048,576-token request.
-    args = NO_LENGTH + ["--gpu", "H200", "--nodes", "2", "--gpu-memory-utilization", "0.8"]
+    # max_num_seqs pinned: vLLM's unset default (1,024 on an H200) exceeds the pool's blocks at every length.
+    args = NO_LENGTH + ["--gpu", "H200", "--nodes", "2", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "64"]
     assert main(args + ["--json"]) == 0
     choice = json.loads(capsys.readouterr().out)["max_model_len_choice"]
     length = choice["max_model_len"]

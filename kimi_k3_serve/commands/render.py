@@ -101,6 +101,7 @@ def engine_settings(args: Any) -> EngineSettings:
         language_model_only=bool(extra.get("language_model_only", False)),
         enforce_eager=limits.enforce_eager,
         moe_backend=str(extra.get("moe_backend", "auto")),
+        fp8_prefill_query=bool((extra.get("attention_config") or {}).get("use_prefill_query_quantization", False)),
     )
 
 

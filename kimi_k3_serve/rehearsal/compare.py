@@ -90,6 +90,8 @@ def measured_verdict(reading: EngineReading) -> str:
         return MEASURED_VERDICT_OF_STEP[reading.oom.step]
     if reading.started:
         return "fits"
+    if any("exceeds available Mamba cache blocks" in e for e in reading.errors):
+        return "seqs_over_state_blocks"
     if any("KV cache" in e and ("needed" in e or "larger than" in e or "not enough" in e.lower()) for e in reading.errors):
         return "no_kv_space"
     return "unknown"
