@@ -73,6 +73,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SIDES = ("vllm", "serve")
 RAY_LOGICAL_CPUS = 8  # placement groups reserve logical CPUs: a TP2 replica and its ingress need more than 2
+OBJECT_STORE_BYTES = 2 * 2**30  # per Serve side's Ray head
 READY_TIMEOUT_S = 900
 APP_NAME = "bench"
 MIN_RATIO_REFERENCE = 0.5  # ms or tok/s
@@ -293,8 +294,10 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, on_term)
+    # Several heads share the host: each would size its object store at 30 % of the RAM (in /dev/shm); tokens
+    # travel as small messages, so a small store each keeps them from crowding one another out.
     ray.init(address="local", num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _temp_dir=temp_dir,
-             log_to_driver=False)
+             log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         from kimi_k3_serve.app import build_app, llm_config_of
@@ -1079,17 +1082,20 @@ def write_outputs(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], p
     (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows, "goals": goal_rows(rows)}, indent=2)
                                       + "\n")
     (out / "summary.md").write_text(summary_markdown(meta, rows))
+    written = ["summary.md", "summary.json"]
     if rows:
         plot(rows, out / "overhead.png", plot_title(meta))
+        written.append("overhead.png")
         if any(r["side"] == "vllm" for r in rows):
             plot_ratios(rows, out / "ratio.png", plot_title(meta))
+            written.append("ratio.png")
         if plot_path:
             shutil.copyfile(out / "overhead.png", plot_path)
             print(f"wrote {plot_path}")
     print("\n" + markdown_table(rows))
     print("\nGoals:\n" + goals_table(rows))
     print("\nCPU ms per request, by component:\n" + cpu_table(rows))
-    print(f"\nwrote {out / 'summary.md'}, summary.json, overhead.png, ratio.png")
+    print(f"\nwrote {', '.join(written)} in {out}")
 
 
 def resummarise(folder: Path, plot_path: Path | None) -> int:
