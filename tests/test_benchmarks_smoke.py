@@ -7,10 +7,12 @@ No timing is asserted (the machine is shared); only that the rows are there and 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -75,9 +77,38 @@ def test_serving_sides_build_valid_args(bench_serving):
     # The variant goes through the builder's own schema and reaches Ray Serve LLM's experimental_configs.
     assert experimental_configs(load_args(variant, source="test")) == {"stream_batching_interval_ms": 0}
     assert bench_serving.side_args(raw, "direct") is raw
-    for bad in ("serve@-1", "serve@x", "ray", "vllm@5", "direct@50"):
+    for bad in ("serve@-1", "serve@x", "ray", "vllm@5", "direct@50", "direct+key", "vllm+key", "serve@x+key", "key"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_serving.parse_side(bad)
+    assert bench_serving.parse_side("serve@0+key") == bench_serving.Side("serve", 0.0, True)
+    assert bench_serving.parse_side("vllm@ray") == bench_serving.Side("vllm", executor="ray")
+    assert bench_serving.parse_side("serve+tput+key") == bench_serving.Side("serve", None, True,
+                                                                           throughput_optimized=True)
+    for bad in ("serve+key+key", "serve+fast", "vllm@ray+key"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_serving.parse_side(bad)
+
+
+def test_the_key_side_runs_the_builder_with_the_key_it_sends(bench_serving, tmp_path):
+    """``serve+key``: the builder's own schema takes the key file, the ingress would load the very key the client
+    sends, and every other setting is the plain ``serve`` side's."""
+    from kimi_k3_serve.args import load_args
+    from kimi_k3_serve.ingress import load_api_key
+    from kimi_k3_serve.serve_config import load_serve_app
+
+    raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
+    key_file = bench_serving.write_api_key(tmp_path)
+    assert key_file.stat().st_mode & 0o077 == 0  # the owner's alone
+    keyed = load_args(bench_serving.side_args(raw, "serve+key", key_file), source="test")
+    assert keyed.security.api_key_file == str(key_file) and keyed.security.require_api_key
+    assert load_api_key(keyed.security.api_key_file, environ={})[0] == key_file.read_text()
+    plain = load_args(raw, source="test")
+    assert keyed.model_dump(exclude={"security"}) == plain.model_dump(exclude={"security"})
+    assert plain.security.api_key_file is None
+    both = load_args(bench_serving.side_args(raw, "serve@0+key", key_file), source="test")
+    assert both.deployment.stream_batching_interval_ms == 0 and both.security.require_api_key
+    with pytest.raises(ValueError):
+        bench_serving.side_args(raw, "serve+key")  # no key file, no keyed side
 
 
 def test_bare_vllm_gets_the_engine_serve_gets(bench_serving):
@@ -95,6 +126,68 @@ def test_bare_vllm_gets_the_engine_serve_gets(bench_serving):
     for key in engine.engine_kwargs:
         assert getattr(from_cli, key) == getattr(from_kwargs, key), key
     assert from_cli.speculative_config["method"] == "eagle3"
+
+
+@pytest.fixture
+def bench_model_cache(tmp_path, monkeypatch):
+    """The model folders the H200 benchmark configs name, made as the GPU host makes them (no weights)."""
+    make_kimi_slice = load_script("make_kimi_slice")
+    make_kimi_slice.make_config_model(tmp_path, "llama-3.1-8b", REPO_ROOT / "tests/fixtures/configs/llama-3.1-8b.json")
+    make_kimi_slice.make_slice(tmp_path, 4)
+    monkeypatch.setenv("KIMI_K3_SERVE_MODEL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice"])
+def test_gpu_presets_give_every_side_the_same_engine(bench_serving, bench_model_cache, preset):
+    """The H200 configs: valid args, bare vLLM's command line parses (vLLM's own parser) into the engine Serve
+    gets, with dummy weights and the batch limits `vllm serve` would pick on an H200 set for every side."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    settings = bench_serving.PRESETS[preset]
+    engine = bench_serving.engine_from_config(REPO_ROOT / settings["config"])
+    assert engine.accelerator == "gpu" and engine.engine_kwargs["load_format"] == "dummy"
+    assert engine.engine_kwargs["max_num_batched_tokens"] == 8192
+    assert settings["input_len"] + settings["output_len"] <= engine.engine_kwargs["max_model_len"]
+    assert max(settings["concurrency"]) <= engine.engine_kwargs["max_num_seqs"]
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", engine.model_source, *bench_serving.vllm_cli_flags(engine.engine_kwargs)])
+    from_cli = AsyncEngineArgs.from_cli_args(parsed)
+    from_kwargs = AsyncEngineArgs(model=engine.model_source, **engine.engine_kwargs)
+    for key in engine.engine_kwargs:
+        assert getattr(from_cli, key) == getattr(from_kwargs, key), key
+    tokenizer = json.loads((Path(engine.model_source) / "tokenizer.json").read_text())
+    config = json.loads((Path(engine.model_source) / "config.json").read_text())
+    assert len(tokenizer["model"]["vocab"]) >= config["vocab_size"]  # every id the dummy model emits decodes
+
+
+@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice"])
+def test_gpu_bench_configs_pass_the_pre_launch_check_on_one_h200(bench_serving, bench_model_cache, preset):
+    """What `serve run` checks before it deploys a Serve side: the config fits one H200 by the planner."""
+    from kimi_k3_serve.cli import main
+
+    config = str(REPO_ROOT / bench_serving.PRESETS[preset]["config"])
+    assert main(["check", "--config", config, "--cluster", str(REPO_ROOT / "tests/fixtures/check/h200-1x8.yaml")]) == 0
+
+
+def test_the_shared_gpu_is_split_so_every_engine_gets_the_same_kv_cache(bench_serving, bench_model_cache):
+    """With every side up on one H200 (139.80 GiB), the KV cache is fixed, not sized from what is free, and
+    four engines of Llama-3.1-8B (14.96 GiB of weights, per the plan) with it fit with room to spare."""
+    from kimi_k3_serve.units import GiB
+
+    settings = bench_serving.PRESETS["h200-llama-8b"]
+    engine = bench_serving.engine_from_config(REPO_ROOT / settings["config"])
+    kv = engine.engine_kwargs["kv_cache_memory_bytes"]
+    engines = len(settings["sides"])
+    h200 = 150_109_880_320  # torch's total on the host (tests/fixtures/gpu/2026-11-30/host.json)
+    weights, other = int(14.96 * GiB), 3 * GiB  # activations, CUDA graphs, context: under 3 GiB per engine measured
+    assert engines * (weights + kv + other) < h200
+    # vLLM's start-up check (free >= utilization x total) holds for the last engine to start.
+    assert h200 - (engines - 1) * (weights + kv + other) >= engine.engine_kwargs["gpu_memory_utilization"] * h200
+    # 64 requests of 1,280 tokens fit at once (128 KiB of KV per token: 32 layers x 8 KV heads x 128 x 2 x 2 B).
+    assert kv // (128 * 1024) >= 64 * (settings["input_len"] + settings["output_len"])
 
 
 def test_tensor_parallel_override_reaches_both_sides(bench_serving):
@@ -164,3 +257,66 @@ def test_pinning_puts_a_sessions_threads_on_their_cpus(bench_serving):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _row(side, concurrency, throughput, ttft, tpot):
+    return {"side": side, "concurrency": concurrency, "output_throughput": throughput, "median_ttft_ms": ttft,
+            "median_tpot_ms": tpot, "p99_ttft_ms": ttft, "median_itl_ms": tpot, "p99_itl_ms": tpot}
+
+
+def test_goals_say_met_or_by_how_much_missed(bench_serving):
+    rows = [_row("vllm", 1, 100.0, 20.0, 10.0), _row("serve", 1, 96.0, 35.0, 10.1),
+            _row("vllm", 64, 1000.0, 100.0, 10.0), _row("serve", 64, 900.0, 300.0, 10.5)]
+    goals = {(g["side"], g["concurrency"]): g for g in bench_serving.goal_rows(rows)}
+    assert set(goals) == {("serve", 1), ("serve", 64)}
+    one, many = goals["serve", 1], goals["serve", 64]
+    assert one["throughput_met"] and one["throughput_ratio"] == pytest.approx(0.96)
+    assert one["ttft_met"] is False and one["ttft_p50_overhead_ms"] == pytest.approx(15.0)
+    assert one["tpot_met"] and one["tpot_p50_overhead"] == pytest.approx(0.01)
+    assert not many["throughput_met"] and many["ttft_met"] is None and not many["tpot_met"]  # no TTFT goal at 64
+    table = bench_serving.goals_table(rows)
+    assert "| 1 | serve | 0.96x met | +15.0 ms **missed by 5.0 ms** | +1.0 % met |" in table, table
+    assert "| 64 | serve | 0.90x **missed by 0.05x** | +200.0 ms (no goal here) | +5.0 % **missed by 3.0 points** |" \
+        in table, table
+
+
+def test_summary_and_ratio_plot_are_written(bench_serving, tmp_path):
+    rows = [_row("vllm", 1, 100.0, 20.0, 10.0), _row("serve", 1, 96.0, 35.0, 10.1),
+            _row("vllm", 8, 700.0, 30.0, 11.0), _row("serve", 8, 650.0, 45.0, 11.5)]
+    for row in rows:
+        row.update(rounds=3, failed=0)
+        if row["side"] != "vllm":
+            base = next(r for r in rows if r["side"] == "vllm" and r["concurrency"] == row["concurrency"])
+            for key in bench_serving.METRICS:
+                row[key + "_ratio"] = row[key] / base[key]
+            row["ttft_p50_overhead_ms"] = row["median_ttft_ms"] - base["median_ttft_ms"]
+    meta = {"engine": "llama-3.1-8b, TP1 on H200", "sides": ["vllm", "serve"], "concurrency": [1, 8], "rounds": 3,
+            "workload": {"input_len": 1024, "output_len": 256, "backend": "openai-chat"},
+            "skipped": ["serve-c8-r2.json"]}
+    bench_serving.write_outputs(tmp_path, meta, rows, None)
+    for name in ("overhead.png", "ratio.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| 8 | serve | 650 (0.93x)" in summary and "Runs left out at the deadline:" in summary
+    assert "serve-c8-r2.json" in summary
+    assert json.loads((tmp_path / "summary.json").read_text())["goals"][1]["throughput_met"] is False
+
+
+def test_profile_summary_tells_whose_code_ran(bench_serving, tmp_path):
+    """py-spy's raw stacks: the leaf frame's owner, and how often our code was anywhere on the stack."""
+    site = "/venv/lib/python3.12/site-packages"
+    raw = tmp_path / "serve-ingress-1.txt"
+    raw.write_text("\n".join([
+        f"run (asyncio/events.py:80);_process_llm_request ({site}/kimi_k3_serve/ingress.py:160);"
+        f"chat ({site}/ray/llm/_internal/serve/core/ingress/ingress.py:400);dumps ({site}/pydantic/main.py:1) 6",
+        f"run (asyncio/events.py:80);stream ({site}/kimi_k3_serve/streaming.py:40) 2",
+        f"_run_once (/usr/lib/python3.12/asyncio/base_events.py:1900);select (/usr/lib/python3.12/selectors.py:468) 2",
+        "garbage line",
+    ]) + "\n")
+    summary = bench_serving.summarise_profile(raw)
+    assert summary["samples"] == 10
+    assert dict(summary["by_owner"]) == {"pydantic": 0.6, "ours": 0.2, "asyncio and the event loop": 0.2}
+    assert summary["ours_on_stack"] == 0.8
+    assert summary["top_self"][0] == ("dumps (pydantic/main.py:1)", 0.6)
+    assert dict(summary["top_ours_inclusive"]) == {"_process_llm_request (kimi_k3_serve/ingress.py)": 0.6,
+                                                   "stream (kimi_k3_serve/streaming.py)": 0.2}

@@ -10,6 +10,7 @@
 #   tests-rehearse the GPU tests that rehearse a Kimi-K3 slice on one GPU and on two (pytest -m gpu -k rehearse)
 #   matrix-tp2     rehearsals on both GPUs (TP2, and PP2 on one node)
 #   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes + the NCCL test (pytest -m gpu -k "serve or nccl")
+#   bench          serving speed, bare vLLM vs our Serve path (scripts/bench_serving.py --preset $KIMI_K3_SERVE_BENCH, default h200-llama-8b) -> $OUT/bench
 #   all            every phase in turn (a host without the 10-minute limit)
 # Each phase writes $OUT/<phase>.log and $OUT/<phase>.tar.gz (logs, readings, results), and $OUT/host.json once.
 # Work folders: $KIMI_K3_SERVE_GPU_RUNS (default /var/tmp/kk3-runs), models: $KIMI_K3_SERVE_MODEL_CACHE (/var/tmp/kk3-models).
@@ -85,6 +86,7 @@ run_phase() {
       timeout "$(( $(left) - 10 ))" python3 -m pytest -m gpu tests/test_gpu.py -k "$k" -v -s -p no:cacheprovider \
         --junitxml="$KIMI_K3_SERVE_GPU_OUT/junit.xml" 2>&1 | tee "$KIMI_K3_SERVE_GPU_OUT/pytest.log" | tail -80
       pack "$KIMI_K3_SERVE_GPU_OUT" ;;
+    bench) python3 scripts/bench_serving.py --preset "${KIMI_K3_SERVE_BENCH:-h200-llama-8b}" --deadline "$(( $(left) - 20 ))" --out "$out/bench" ;;
     *) echo "unknown phase $1"; return 2 ;;
   esac
 }
