@@ -33,6 +33,7 @@ from kimi_k3_serve.models.inventory import ModelInventory
 from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.placement import RankPlacement, assign_ranks, placement_group_config, tp_groups
 from kimi_k3_serve.units import fmt_gib
+from kimi_k3_serve.vllm_args import vllm_engine_args
 
 OBJECTIVES = ("fewest-nodes", "max-concurrency", "fewest-gpus")
 TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
@@ -417,7 +418,9 @@ def _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, seq_cap
 def _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, seq_cap, sink) -> Candidate | None:
     """Evaluate vLLM's split and the lighter-last-stage splits of one (TP, PP, EP); None if unplaceable."""
     if pins.layer_partition is not None:
-        partitions: list[tuple[int, ...] | None] = [pins.layer_partition]
+        # vLLM's own split pinned is no split set: the layout says so, and no VLLM_PP_LAYER_PARTITION is needed
+        pinned = None if pins.layer_partition == default_partition(model.num_layers, pp) else pins.layer_partition
+        partitions: list[tuple[int, ...] | None] = [pinned]
     elif pp == 1:
         partitions = [None]
     else:
@@ -442,6 +445,7 @@ def _make_plan(model, engine, cluster, best: Candidate, objective, considered, e
     first_gpu = next(g for n in cluster.gpu_nodes for g in n.gpus if n.node_id == best.placements[0].node_id)
     spec = find_gpu_by_device_name(first_gpu.name)
     gpus_per_node = max(node.gpu_count for node in cluster.gpu_nodes)
+    vllm = vllm_engine_args(layout, engine, best.optimisations)
     return Plan(
         model=model,
         engine=engine,
@@ -450,55 +454,11 @@ def _make_plan(model, engine, cluster, best: Candidate, objective, considered, e
         report=best.report,
         optimisations=best.optimisations,
         gpu_name=spec.name if spec else first_gpu.name,
-        engine_kwargs=engine_kwargs(layout, engine),
-        env_vars=env_vars(layout, best.optimisations),
+        engine_kwargs=vllm.engine_kwargs,
+        env_vars=vllm.env_vars,
         placement_group_config=placement_group_config(layout, spec, gpus_per_node),
         cluster_source=cluster.source,
         objective=objective,
         considered=considered,
         search_seconds=elapsed,
     )
-
-
-def engine_kwargs(layout: Layout, engine: EngineSettings) -> dict[str, Any]:
-    """``LLMConfig.engine_kwargs`` (vLLM ``AsyncEngineArgs`` names) for the layout and target."""
-    kwargs: dict[str, Any] = {
-        "tensor_parallel_size": layout.tp,
-        "pipeline_parallel_size": layout.pp,
-        "max_model_len": engine.max_model_len,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-    }
-    if layout.dp > 1:
-        kwargs["data_parallel_size"] = layout.dp
-    if layout.ep:
-        kwargs["enable_expert_parallel"] = True
-    if layout.dcp > 1:
-        kwargs["decode_context_parallel_size"] = layout.dcp
-    for name in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
-        value = getattr(engine, name)
-        if value is not None:
-            kwargs[name] = value
-    if engine.kv_cache_dtype != "auto":
-        kwargs["kv_cache_dtype"] = engine.kv_cache_dtype
-    if engine.mamba_ssm_cache_dtype != "auto":
-        kwargs["mamba_ssm_cache_dtype"] = engine.mamba_ssm_cache_dtype
-    if engine.enforce_eager:
-        kwargs["enforce_eager"] = True
-    if engine.language_model_only:
-        kwargs["language_model_only"] = True
-    spec = engine.speculative
-    if spec is not None:
-        config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
-        if spec.draft is not None:
-            config["model"] = spec.draft.source or spec.draft.name
-        if spec.draft_tp is not None:
-            config["draft_tensor_parallel_size"] = spec.draft_tp
-        kwargs["speculative_config"] = config
-    return kwargs
-
-
-def env_vars(layout: Layout, optimisations: Optimisations) -> dict[str, str]:
-    env = dict(optimisations.env)
-    if layout.pp > 1 and layout.layer_partition is not None:
-        env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(n) for n in layout.layer_partition)
-    return env

@@ -249,44 +249,6 @@ def cpu_memory_need(*, workers: int, kv_space_gib: float, weights_bytes: int | N
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def planner_inputs(args: Any):
-    """(model inventory, EngineSettings, Pins) for a validated ``ServeArgs``: the deploy config's own layout,
-    pinned, so the check is of exactly what will run."""
-    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
-    from kimi_k3_serve.commands.render import deploy_pins, engine_settings, model_inventory
-
-    source = args.model.source
-    if source.startswith(CACHE_PREFIX) or source.startswith((".", "/", "~")):
-        source = resolve_source(source, field="args.model.source")
-    model = model_inventory(source, field="args.model.source")
-    if args.speculative is not None and args.speculative.model.startswith((CACHE_PREFIX, ".", "/", "~")):
-        draft_source = resolve_source(args.speculative.model, field="args.speculative.model")
-        args = args.model_copy(update={"speculative": args.speculative.model_copy(update={"model": draft_source})})
-    from kimi_k3_serve.planner import validate_pins
-
-    try:  # the planner names its own pins; the user wrote args.parallel.*
-        pins = deploy_pins(args, model)
-        validate_pins(model, pins)
-    except ConfigError as exc:
-        field = PIN_FIELDS.get(exc.field)
-        if field is None:
-            raise
-        raise ConfigError(field, exc.value, exc.allowed, source=exc.source) from None
-    return model, engine_settings(args), pins
-
-
-PIN_FIELDS = {
-    "tp": "args.parallel.tensor_parallel_size",
-    "pp": "args.parallel.pipeline_parallel_size",
-    "layout.pp": "args.parallel.pipeline_parallel_size",
-    "ep": "args.parallel.enable_expert_parallel",
-    "dp": "args.parallel.data_parallel_size",
-    "layer_partition": "args.parallel.layer_partition",
-    "layout.layer_partition": "args.parallel.layer_partition",
-}
-"""Planner pin and layout field -> the args field a deploy config sets it with."""
-
-
 def replicas_to_place(args: Any) -> int:
     """Replicas Serve starts at deploy time; with scale-to-zero, the first request still needs one."""
     scaling = args.autoscaling
@@ -426,17 +388,14 @@ def check_before_deploy(
 def cpu_need_of_args(args: Any) -> CpuMemoryNeed:
     """Host memory of one CPU replica of ``args``: checkpoints of local folders, ``VLLM_CPU_KVCACHE_SPACE``
     per worker (the config's value, else the app's default), and the processes."""
-    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
+    from kimi_k3_serve.args import resolve_source
+    from kimi_k3_serve.vllm_args import CPU_ENV_DEFAULTS
 
     def local(source: str, name: str) -> int | None:
-        if source.startswith(CACHE_PREFIX) or source.startswith((".", "/", "~")):
-            return checkpoint_bytes(resolve_source(source, field=name))
-        return checkpoint_bytes(source)
+        return checkpoint_bytes(resolve_source(source, field=name))
 
     kv_text = args.runtime_env.env_vars.get("VLLM_CPU_KVCACHE_SPACE")
     if kv_text is None:
-        from kimi_k3_serve.app import CPU_ENV_DEFAULTS
-
         kv_text = CPU_ENV_DEFAULTS.get("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_SPACE_GIB))
     try:
         kv_space = float(kv_text)
@@ -490,6 +449,8 @@ def _check_gpu_memory(args: Any, snapshot: ClusterSnapshot, started: float):
     cluster = inventory.at_capacity() if inventory.autoscaling else inventory
     if not cluster.gpu_nodes:
         return None, None, ["GPU memory: no GPU node yet and no autoscaler node type with GPUs to size"]
+    from kimi_k3_serve.args_adapter import planner_inputs
+
     model, engine, pins = planner_inputs(args)
     try:
         result = plan(model, engine, cluster, pins)

@@ -207,15 +207,6 @@ def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str],
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _layout(args: Any):
-    from kimi_k3_serve.layout import Layout
-
-    parallel = args.parallel
-    partition = tuple(parallel.layer_partition) if parallel.layer_partition else None
-    return Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size,
-                  ep=parallel.enable_expert_parallel, dp=parallel.data_parallel_size, layer_partition=partition)
-
-
 def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list[str]]:
     """Bundle -> ``GpuInfo`` of the GPU Ray gave it, from each node's NVML reading; and why any is missing."""
     from kimi_k3_serve.nvml import parse_readings
@@ -243,16 +234,13 @@ def check_draft_target(args: Any) -> str | None:
     """An EAGLE3-family draft needs a target class that declares vLLM's ``SupportsEagle3`` on this platform
     (``kimi_k3_serve.draft_target``): a line for the log, or ``ReplicaCheckError`` with the one-line refusal.
     None when there is no draft."""
-    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
+    from kimi_k3_serve.args import resolve_source
     from kimi_k3_serve.draft_target import decide_draft_target, gather_target_class
 
     spec = args.speculative
     if spec is None:
         return None
-    source = args.model.source
-    if source.startswith((CACHE_PREFIX, ".", "~")):
-        source = resolve_source(source, field="args.model.source")
-    target = gather_target_class(source)
+    target = gather_target_class(resolve_source(args.model.source, field="args.model.source"))
     refusal = decide_draft_target(spec.method, target.architecture, target.supports, target.reason)
     if refusal is not None:
         raise ReplicaCheckError(refusal)
@@ -270,7 +258,7 @@ def check_replica(args: Any, pg: Any, *, comm_backend: str | None = None,
     from kimi_k3_serve.cluster import NodeInfo, rank_device
     from kimi_k3_serve.placement import PlacementError, bundle_order, ranks_on_nodes, roomiest_node
     from kimi_k3_serve.planner import memory_on_devices
-    from kimi_k3_serve.preflight import planner_inputs
+    from kimi_k3_serve.args_adapter import layout_of, planner_inputs
 
     started = time.perf_counter()
     draft_line = check_draft_target(args)  # first: a target that cannot take the draft refuses in seconds
@@ -283,7 +271,7 @@ def check_replica(args: Any, pg: Any, *, comm_backend: str | None = None,
     lines = [f"placement group: {len(specs)} bundles on {len(set(table.values()))} node(s)"]
     if draft_line is not None:
         lines.insert(0, draft_line)
-    layout = _layout(args)
+    layout = layout_of(args)
     order: list[int] | None = None
     report = None
 
@@ -419,14 +407,11 @@ class ReplicaPreflight(_callback_base()):
         self.result = result
 
 
-def replica_callback_config(args: Any, model_source: str, draft_source: str | None) -> dict[str, Any]:
+def replica_callback_config(args: ServeArgs) -> dict[str, Any]:
     """``LLMConfig.callback_config`` that runs ``ReplicaPreflight`` in every replica, with the application's
-    ``args`` as validated at build time (model folders already resolved, so the replica reads the same ones)."""
-    update: dict[str, Any] = {"model": args.model.model_copy(update={"source": model_source})}
-    if args.speculative is not None and draft_source is not None:
-        update["speculative"] = args.speculative.model_copy(update={"model": draft_source})
-    resolved = args.model_copy(update=update)
+    ``args`` as validated at build time, sources resolved (``args.with_resolved_sources``), so the replica reads
+    the same folders."""
     return {
         "callback_class": f"{__name__}:{ReplicaPreflight.__name__}",
-        "callback_kwargs": {"args": resolved.model_dump(mode="json")},
+        "callback_kwargs": {"args": args.model_dump(mode="json")},
     }

@@ -132,7 +132,8 @@ def _live_snapshot(address: str, args: Any):
 def _alternatives(serve_args: Any, inventory: Any, started: float) -> tuple[Any | None, str]:
     """Whether any other layout of the model fits the same cluster: (report of the best or closest, words)."""
     from kimi_k3_serve.planner import NoLayoutFitsError, Pins, plan
-    from kimi_k3_serve.preflight import planner_inputs, report_of_candidate, report_of_plan
+    from kimi_k3_serve.args_adapter import planner_inputs
+    from kimi_k3_serve.preflight import report_of_candidate, report_of_plan
 
     cluster = inventory.at_capacity() if inventory.autoscaling else inventory
     if not cluster.gpu_nodes or any(g.total_bytes is None for n in cluster.gpu_nodes for g in n.gpus):
