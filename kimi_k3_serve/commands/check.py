@@ -73,7 +73,7 @@ def serve_llm_bundles(args: Any) -> tuple[list[dict[str, float]], str]:
 def declared_snapshot(inventory: Any):
     """A declared cluster as the packer sees it: every node empty; node types the autoscaler may grow, up to
     their max count. A resource a file does not declare (often CPU) is not checked."""
-    from kimi_k3_serve.preflight import ClusterSnapshot, GrowableType, NodeSlot
+    from kimi_k3_serve.preflight import ClusterSnapshot, NodeSlot, growable_types
 
     unchecked = float("inf")
     slots = []
@@ -81,15 +81,7 @@ def declared_snapshot(inventory: Any):
         available = dict(node.resources)
         available.setdefault("CPU", unchecked)
         slots.append(NodeSlot(node.node_id, available, node.node_type))
-    growable = []
-    for capacity in inventory.autoscaling:
-        present = sum(1 for node in inventory.nodes if node.node_type == capacity.name)
-        if capacity.max_count > present:
-            resources = dict(capacity.resources)
-            resources.setdefault("GPU", float(capacity.gpus_per_node))
-            resources.setdefault("CPU", unchecked)
-            growable.append(GrowableType(capacity.name, resources, capacity.max_count - present))
-    return ClusterSnapshot(inventory, tuple(slots), tuple(growable), {})
+    return ClusterSnapshot(inventory, tuple(slots), growable_types(inventory, undeclared=unchecked), {})
 
 
 CONNECT_TIMEOUT_S = 5.0
