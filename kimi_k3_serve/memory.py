@@ -225,6 +225,15 @@ def batch_defaults(total_bytes: int, device_name: str = "", usage_context: str =
     return (8192 if llm else 2048), 256
 
 
+def resolved_batch(engine: EngineSettings, device: RankDevice) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) the engine runs with when ``device`` is the smallest GPU of its
+    layout: the configured limits, else vLLM's defaults (``batch_defaults``), the token budget capped at
+    ``max_num_seqs x max_model_len``. The one place an unset limit is resolved."""
+    default_tokens, default_seqs = batch_defaults(device.total_bytes, device.name, engine.usage_context)
+    seqs = engine.max_num_seqs or default_seqs
+    return engine.max_num_batched_tokens or min(default_tokens, seqs * engine.max_model_len), seqs
+
+
 def default_block_size(model: ModelInventory, cc: tuple[int, int]) -> int:
     """The block size vLLM 0.32 picks before hybrid alignment (platforms ``update_block_size_for_backend``):
     MLA on SM100 -> FLASHINFER_MLA (kernel blocks 32/64, 16 unsupported) -> 32; otherwise 16."""
@@ -279,9 +288,7 @@ def estimate_memory(
     notes: list[str] = []
     ref = min(devs, key=lambda d: d.total_bytes)
     cc = ref.compute_capability
-    d_mnbt, d_seqs = batch_defaults(ref.total_bytes, ref.name, engine.usage_context)
-    seqs = engine.max_num_seqs or d_seqs
-    mnbt = engine.max_num_batched_tokens or min(d_mnbt, seqs * engine.max_model_len)
+    mnbt, seqs = resolved_batch(engine, ref)
     prefix = True if engine.enable_prefix_caching is None else engine.enable_prefix_caching
     unset = [f"{name} {value:,}" for name, value, given in (("max_num_batched_tokens", mnbt, engine.max_num_batched_tokens),
                                                              ("max_num_seqs", seqs, engine.max_num_seqs)) if given is None]
@@ -655,7 +662,9 @@ def _num_capture_sizes(largest: int) -> int:
 def kv_grouping(model: ModelInventory, layout: Layout, engine: EngineSettings, compute_capability: tuple[int, int] = (9, 0)) -> KvGrouping:
     """The KV-cache groups (whole model, per-rank page sizes) vLLM 0.32 would build for this layout."""
     spec = engine.speculative
-    opts = decide_optimisations(model, layout, engine, compute_capability, True)
+    tokens, seqs = resolved_batch(engine, RankDevice(0, compute_capability))  # FlashKDA on/off, not the batch, shapes it
+    opts = decide_optimisations(model, layout, engine, compute_capability, True, max_num_batched_tokens=tokens,
+                                max_num_seqs=seqs)
     prefix = True if engine.enable_prefix_caching is None else engine.enable_prefix_caching
     return _kv_grouping(model, layout, engine, compute_capability, spec.num_speculative_tokens if spec else 0, prefix, opts,
                         spec.draft if spec else None, spec)[0]
