@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
@@ -263,6 +264,18 @@ def stage_layer_ranges(num_layers: int, layout: Layout) -> list[tuple[int, int]]
     return out
 
 
+_MEMOS: "weakref.WeakKeyDictionary[ModelInventory, dict]" = weakref.WeakKeyDictionary()
+
+
+def _memo(model: ModelInventory) -> dict:
+    """This module's memo of what it derives from one inventory (stage weights, KV grouping, draft totals), kept
+    here with its own keys; it goes with the inventory. The inventory's own caches are its business."""
+    memo = _MEMOS.get(model)
+    if memo is None:
+        memo = _MEMOS[model] = {}
+    return memo
+
+
 # -- the estimate -------------------------------------------------------------------------------------
 
 def estimate_memory(
@@ -331,9 +344,9 @@ def estimate_memory(
         ws = 0
         ws_margin = 0
         after_kv = 0
-        has_kda = model._cache.get(("has_kda", start, end))
+        has_kda = _memo(model).get(("has_kda", start, end))
         if has_kda is None:
-            has_kda = model._cache[("has_kda", start, end)] = any(isinstance(model.layers[i].kv, KdaState) for i in range(start, end))
+            has_kda = _memo(model)[("has_kda", start, end)] = any(isinstance(model.layers[i].kv, KdaState) for i in range(start, end))
         for item in optimisations.items:
             if not item.on or not item.workspace_bytes:
                 continue
@@ -493,7 +506,7 @@ def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings
                    ep_size: int, sp: bool) -> tuple[int, Mapping[str, int]]:
     key = ("stage", layout.tp, ep_size, layout.ep, sp, start, end, stage == 0, stage == layout.pp - 1,
            engine.language_model_only)
-    cached = model._cache.get(key)
+    cached = _memo(model).get(key)
     if cached is not None:
         return cached
     by_cat: dict[str, int] = {}
@@ -512,7 +525,7 @@ def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings
         for k, v in p.items():
             by_cat[k] = by_cat.get(k, 0) + v
     result = (sum(by_cat.values()), MappingProxyType(by_cat))  # read-only: shared by every rank of the stage
-    model._cache[key] = result
+    _memo(model)[key] = result
     return result
 
 
@@ -527,11 +540,11 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
     if draft is not None:
         dtp = spec.draft_tp or layout.tp
         key = ("draft_total", dtp)
-        own = draft._cache.get(key)
+        own = _memo(draft).get(key)
         if own is None:
             own = sum(sum(d.values()) for d in draft.layer_bytes(dtp, dtp, False))
             own += sum(draft.group_bytes("draft_extra", dtp, dtp, False).values())
-            draft._cache[key] = own
+            _memo(draft)[key] = own
         total += own
     return total
 
@@ -544,7 +557,7 @@ def _kv_dtype_bytes(model: ModelInventory, engine: EngineSettings) -> int:
 def _kv_grouping(model, layout, engine, cc, num_spec, prefix, opts, draft, spec) -> tuple[KvGrouping, int, list[str], list[str]]:
     key = ("kv", layout.tp, layout.dcp, engine.kv_cache_dtype, engine.mamba_ssm_cache_dtype, cc, num_spec, prefix,
            opts.flashkda, draft, spec.draft_tp if spec else None)  # the draft itself: identity-hashed
-    cached = model._cache.get(key)
+    cached = _memo(model).get(key)
     if cached is not None:
         return cached
     notes: list[str] = []
@@ -595,7 +608,7 @@ def _kv_grouping(model, layout, engine, cc, num_spec, prefix, opts, draft, spec)
     if grouping.padding_layers:
         notes.append(f"vLLM adds {grouping.padding_layers} padding layers to the KV-cache groups")
     result = (grouping, grouping.block_size or block, names, notes)
-    model._cache[key] = result
+    _memo(model)[key] = result
     return result
 
 

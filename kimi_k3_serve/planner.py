@@ -142,10 +142,10 @@ class Plan:
 
 
 class NoLayoutFitsError(DoesNotFitError):
-    """No layout fits; ``candidates`` are the closest ones (smallest shortfall first)."""
+    """No layout fits; ``candidates`` are the closest ones (smallest shortfall first), each with its memory report."""
 
     def __init__(self, message: str, candidates: list[Candidate]) -> None:
-        super().__init__(message, report=candidates[0].report if candidates else None)
+        super().__init__(message)
         self.candidates = candidates
 
     def to_json(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kimi_k3_serve.cluster import capacity_resources
+from kimi_k3_serve.args import ServeArgs
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
 from kimi_k3_serve.units import GiB, fmt_gib
 
@@ -245,7 +246,7 @@ def cpu_memory_need(*, workers: int, kv_space_gib: float, weights_bytes: int | N
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def replicas_to_place(args: Any) -> int:
+def replicas_to_place(args: ServeArgs) -> int:
     """Replicas Serve starts at deploy time; with scale-to-zero, the first request still needs one."""
     scaling = args.autoscaling
     initial = scaling.initial_replicas if scaling.initial_replicas is not None else scaling.min_replicas
@@ -337,7 +338,7 @@ class PreflightResult:
 
 
 def check_before_deploy(
-    args: Any,
+    args: ServeArgs,
     bundles: Sequence[Mapping[str, float]],
     strategy: str = "PACK",
     *,
@@ -366,8 +367,8 @@ def check_before_deploy(
             f"{'; ' + short if short else ''}{growth}. Each replica asks for {len(bundles)} bundle(s) with "
             f"strategy {strategy}: {describe_bundles(bundles)}. Add nodes (or logical CPUs: "
             "`ray start --num-cpus N`), or lower args.parallel sizes / args.autoscaling.min_replicas.",
-            report={"need": need, "reason": packed.reason, "short": packed.short,
-                    "nodes": [{"node": s.name, "available": s.available} for s in snapshot.slots]},
+            details={"need": need, "reason": packed.reason, "short": packed.short,
+                     "nodes": [{"node": s.name, "available": s.available} for s in snapshot.slots]},
         )
     where = sorted({node for group in packed.placements for _, node in group})
     added = ", ".join(f"{n} x {t}" for t, n in packed.added.items())
@@ -386,7 +387,7 @@ def check_before_deploy(
     return PreflightResult(tuple(lines), plan, report, time.perf_counter() - started)
 
 
-def cpu_need_of_args(args: Any) -> CpuMemoryNeed:
+def cpu_need_of_args(args: ServeArgs) -> CpuMemoryNeed:
     """Host memory of one CPU replica of ``args``: checkpoints of local folders, ``VLLM_CPU_KVCACHE_SPACE``
     per worker (the config's value, else the app's default), and the processes."""
     from kimi_k3_serve.args import resolve_source
@@ -411,7 +412,7 @@ def cpu_need_of_args(args: Any) -> CpuMemoryNeed:
     )
 
 
-def _check_cpu_memory(args: Any, packed: PackResult, snapshot: ClusterSnapshot) -> list[str]:
+def _check_cpu_memory(args: ServeArgs, packed: PackResult, snapshot: ClusterSnapshot) -> list[str]:
     """vLLM's mp executor runs every worker of a replica on the replica's node (bundle 0's)."""
     need = cpu_need_of_args(args)
     per_node: dict[str, int] = {}
@@ -430,7 +431,7 @@ def _check_cpu_memory(args: Any, packed: PackResult, snapshot: ClusterSnapshot) 
                 f"the CPU engine(s) of {args.model.id} need {fmt_gib(bytes_needed)} of host memory on node {node}, "
                 f"which has {fmt_gib(available)} available; one replica: {need.describe()}. Lower "
                 "VLLM_CPU_KVCACHE_SPACE (args.runtime_env.env_vars) or args.parallel sizes.",
-                report={"node": node, "need_bytes": bytes_needed, "available_bytes": available, "parts": need.parts},
+                details={"node": node, "need_bytes": bytes_needed, "available_bytes": available, "parts": need.parts},
             )
         lines.append(f"host memory: node {node} needs {fmt_gib(bytes_needed)} ({need.describe()}), "
                      f"has {fmt_gib(available)} available")
@@ -438,7 +439,7 @@ def _check_cpu_memory(args: Any, packed: PackResult, snapshot: ClusterSnapshot) 
     return lines
 
 
-def _check_gpu_memory(args: Any, snapshot: ClusterSnapshot, started: float):
+def _check_gpu_memory(args: ServeArgs, snapshot: ClusterSnapshot, started: float):
     """Plan the pinned layout on the live GPUs (grown to the autoscaler's max when it autoscales)."""
     from kimi_k3_serve.planner import NoLayoutFitsError, plan
 

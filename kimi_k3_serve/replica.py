@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
+from kimi_k3_serve.args import ServeArgs
 from kimi_k3_serve.errors import DoesNotFitError, KimiK3ServeError
 from kimi_k3_serve.units import fmt_gib
 
@@ -230,7 +231,7 @@ def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list
     return found, missing
 
 
-def check_draft_target(args: Any) -> str | None:
+def check_draft_target(args: ServeArgs) -> str | None:
     """An EAGLE3-family draft needs a target class that declares vLLM's ``SupportsEagle3`` on this platform
     (``kimi_k3_serve.draft_target``): a line for the log, or ``ReplicaCheckError`` with the one-line refusal.
     None when there is no draft."""
@@ -249,7 +250,7 @@ def check_draft_target(args: Any) -> str | None:
     return f"draft target: {spec.method} draft on {target.architecture}: {target.reason} declares SupportsEagle3"
 
 
-def check_replica(args: Any, pg: Any, *, comm_backend: str | None = None,
+def check_replica(args: ServeArgs, pg: Any, *, comm_backend: str | None = None,
                   comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, env: Mapping[str, str] | None = None,
                   probe_timeout_s: float = 60.0) -> ReplicaCheckResult:
     """The replica-start check on placement group ``pg`` for the validated ``ServeArgs`` ``args``."""
@@ -341,7 +342,7 @@ class _Placed:
     gpu_index: int
 
 
-def _check_cpu_host(args: Any, probes: Sequence[BundleProbe], table: Mapping[int, str]) -> str:
+def _check_cpu_host(args: ServeArgs, probes: Sequence[BundleProbe], table: Mapping[int, str]) -> str:
     """vLLM's mp executor runs every CPU worker on the replica's node (bundle 0's)."""
     from kimi_k3_serve.preflight import cpu_need_of_args
 
@@ -354,7 +355,7 @@ def _check_cpu_host(args: Any, probes: Sequence[BundleProbe], table: Mapping[int
         raise DoesNotFitError(
             f"replica refused before loading {args.model.id}: its CPU engine needs {fmt_gib(need.total_bytes)} of host "
             f"memory on node {host}, which has {fmt_gib(available)} available now ({need.describe()})",
-            report={"node": host, "need_bytes": need.total_bytes, "available_bytes": available})
+            details={"node": host, "need_bytes": need.total_bytes, "available_bytes": available})
     return f"host memory: node {host} needs {fmt_gib(need.total_bytes)}, has {fmt_gib(available)} available"
 
 

@@ -18,9 +18,12 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
+
+if TYPE_CHECKING:
+    from kimi_k3_serve.args import ServeArgs
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1
 REPLICA_ACTOR_CPUS = 1.0
@@ -52,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="draw the per-GPU memory as stacked bars")
 
 
-def serve_llm_bundles(args: Any) -> tuple[list[dict[str, float]], str]:
+def serve_llm_bundles(args: ServeArgs) -> tuple[list[dict[str, float]], str]:
     """The placement group Ray Serve LLM 2.60 asks for one replica of this config, without importing it
     (``accelerators.py`` default bundles, ``_merge_replica_actor_and_child_actor_bundles``): one bundle per
     TP x PP worker (``{GPU: 1, accelerator_type:<T>: 0.001}`` on GPUs, ``{CPU: 1}`` on CPU), the replica
@@ -105,7 +108,7 @@ def _reachable(address: str) -> None:
         raise ConfigError("--address", address, f"a reachable Ray cluster (connecting failed: {exc})") from None
 
 
-def _live_snapshot(address: str, args: Any):
+def _live_snapshot(address: str, args: ServeArgs):
     _reachable(address)
     import ray
 
@@ -121,7 +124,7 @@ def _live_snapshot(address: str, args: Any):
         ray.shutdown()
 
 
-def _alternatives(serve_args: Any, inventory: Any, started: float) -> tuple[Any | None, str]:
+def _alternatives(serve_args: ServeArgs, inventory: Any, started: float) -> tuple[Any | None, str]:
     """Whether any other layout of the model fits the same cluster: (report of the best or closest, words)."""
     from kimi_k3_serve.planner import NoLayoutFitsError, Pins, plan
     from kimi_k3_serve.args_adapter import planner_inputs
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = check_before_deploy(serve_args, bundles, strategy, snapshot=snapshot)
     except DoesNotFitError as exc:
-        report = exc.report if hasattr(exc.report, "rows") else None
+        report = exc.report
         message = str(exc).split("\n", 1)[0]
         alternative = ""
         if serve_args.accelerator.kind == "gpu":

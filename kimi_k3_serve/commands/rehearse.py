@@ -25,10 +25,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi_k3_serve.commands.argtypes import fraction, positive_int
 from kimi_k3_serve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kimi_k3_serve.args import ServeArgs
 
 EXIT_STARTED, EXIT_FAILED = 0, 1
 SHIPPED_DRAFTS = {"kimi-k3-dspark", "kimi-k3-eagle3"}
@@ -71,7 +74,7 @@ def _json_flag(text: str | None, flag: str) -> Any:
         raise ConfigError(flag, text, f"expected JSON ({exc.msg})") from None
 
 
-def serve_args_of(ns: argparse.Namespace):
+def serve_args_of(ns: argparse.Namespace) -> ServeArgs:
     """The ``ServeArgs`` to rehearse: the deploy config's (or a GPU config made from the flags), flags applied."""
     from kimi_k3_serve.args import load_args
 
@@ -131,7 +134,7 @@ def _model_config(source: str, field: str) -> tuple[dict[str, Any], Path | None]
     return read_config(folder)[0], folder
 
 
-def materialize_models(args, work: Path, layers: int | None):
+def materialize_models(args: ServeArgs, work: Path, layers: int | None):
     """Write the target's (and draft's) config.json where vLLM can load them with dummy weights, sliced to ``layers``
     layers when asked. Returns (args with those folders as sources, target folder, draft folder or None)."""
     from kimi_k3_serve.rehearsal.slicing import slice_draft_config, slice_text_config
@@ -160,7 +163,7 @@ def materialize_models(args, work: Path, layers: int | None):
     return args.model_copy(update=update), target_dir, draft_dir
 
 
-def engine_of(args, target_dir: Path, executor: str, resolved_tokens: int) -> tuple[dict[str, Any], dict[str, str]]:
+def engine_of(args: ServeArgs, target_dir: Path, executor: str, resolved_tokens: int) -> tuple[dict[str, Any], dict[str, str]]:
     """(engine kwargs, env) as the application builder deploys them, for dummy weights. ``resolved_tokens`` is the
     plan's ``max_num_batched_tokens``, what a Serve replica's vLLM picks when the config leaves it unset."""
     from kimi_k3_serve.args_adapter import vllm_engine_args_of
@@ -176,7 +179,7 @@ def engine_of(args, target_dir: Path, executor: str, resolved_tokens: int) -> tu
     return kwargs, vllm.env_vars
 
 
-def predict(args, device):
+def predict(args: ServeArgs, device):
     """The plan's memory report for these args on ``device`` (a ``RankDevice``)."""
     from kimi_k3_serve.args_adapter import planner_inputs
     from kimi_k3_serve.layout import Layout

@@ -15,9 +15,8 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kimi_k3_serve.args import ServeArgs
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.hardware import lookup_gpu
 from kimi_k3_serve.render import (
@@ -31,6 +30,9 @@ from kimi_k3_serve.render import (
     render,
 )
 from kimi_k3_serve.units import cdiv, fmt_gib
+
+if TYPE_CHECKING:
+    from kimi_k3_serve.args import ServeArgs
 
 FAKE_IDLE_TIMEOUT_S = 12
 """The fake cluster is for tests: nodes go away 12 s (0.2 min) after the placement group is released."""
