@@ -22,7 +22,7 @@ import openai
 import pytest
 import yaml
 
-from conftest import LOOPBACK, RAY_LOGICAL_CPUS, REPO_ROOT, assert_ray_stays_on_this_machine, free_port
+from conftest import LOOPBACK, RAY_LOGICAL_CPUS, REPO_ROOT, assert_ray_stays_on_this_machine, free_port, wait_for_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 READY_TIMEOUT_S = 900
@@ -90,27 +90,24 @@ def test_serve_run_dev_yaml_answers_a_chat_request(ray_cli_head, tmp_path):
 
     log_path = tmp_path / "serve-run.log"
     started = time.monotonic()
+    ray.init(address=address, log_to_driver=False)  # to follow Serve's own status of the application
     with open(log_path, "w") as log:
         serve = subprocess.Popen([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)],
                                  stdout=log, stderr=subprocess.STDOUT, env={**env, "RAY_ADDRESS": address},
                                  cwd=REPO_ROOT, start_new_session=True)
         try:
-            while _status(f"{base}/v1/models") != 200:
+            while _status(f"{base}/-/routes") != 200:  # serve run has started Serve and is deploying
                 assert serve.poll() is None, f"serve run exited with {serve.returncode}: {log_path.read_text()[-3000:]}"
-                assert time.monotonic() - started < READY_TIMEOUT_S, f"no answer in {READY_TIMEOUT_S} s: " \
-                                                                     f"{log_path.read_text()[-3000:]}"
+                assert time.monotonic() - started < READY_TIMEOUT_S, log_path.read_text()[-3000:]
                 time.sleep(3)
-            print(f"\n[serve run deploy/dev.yaml answered /v1/models after {time.monotonic() - started:.0f} s]")
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+            wait_for_app(document["applications"][0]["name"], READY_TIMEOUT_S)
+            print(f"\n[serve run deploy/dev.yaml RUNNING after {time.monotonic() - started:.0f} s]")
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, max_retries=0)
             assert [m.id for m in client.models.list().data] == [model]
             chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
                                                   max_tokens=8)
             assert chat.choices[0].message.content and chat.usage.completion_tokens >= 1
-
-            ray.init(address=address, log_to_driver=False)
-            try:
-                assert_ray_stays_on_this_machine()
-            finally:
-                ray.shutdown()
+            assert_ray_stays_on_this_machine()
         finally:
+            ray.shutdown()
             _stop(serve, signal.SIGINT)  # Ctrl-C: serve run deletes its applications and exits
