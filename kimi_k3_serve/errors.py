@@ -3,7 +3,7 @@ a traceback and exits with code 2 (bad input) or 1 (does not fit)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 
 class KimiK3ServeError(Exception):
@@ -30,11 +30,24 @@ class UnsupportedModelError(ConfigError):
     """A model architecture or config field the inventory does not know: never guessed."""
 
 
-class DoesNotFitError(KimiK3ServeError):
-    """A layout was checked and at least one GPU is short; ``report`` carries the per-GPU numbers."""
+class PerGpuReport(Protocol):
+    """The per-GPU verdict a does-not-fit error carries (``report.CheckReport``): one row per GPU."""
 
-    def __init__(self, message: str, report: Any = None) -> None:
+    fits: bool
+    verdict: str
+    rows: tuple[Any, ...]
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+class DoesNotFitError(KimiK3ServeError):
+    """A deployment was checked and does not fit. ``report``: the per-GPU numbers when GPUs were sized;
+    ``details``: the figures of any other refusal (placement, host memory), for logs and JSON."""
+
+    def __init__(self, message: str, report: PerGpuReport | None = None, *,
+                 details: Mapping[str, Any] | None = None) -> None:
         self.report = report
+        self.details = dict(details or {})
         super().__init__(message)
 
 

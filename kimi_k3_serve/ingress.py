@@ -77,6 +77,21 @@ def load_api_key(api_key_file: str | None, environ: Mapping[str, str] | None = N
     return None, "none"
 
 
+def ingress_api_key(api_key_file: str | None, require_api_key: bool,
+                    environ: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """The key the ingress replica enforces (``load_api_key``); with ``require_api_key`` and no key anywhere, a
+    ``ConfigError`` that stops the replica before it serves one open route."""
+    key, where = load_api_key(api_key_file, environ)
+    if key is None and require_api_key:
+        raise ConfigError(
+            "args.security.require_api_key",
+            True,
+            f"no API key found by the ingress replica: set args.security.api_key_file, ${API_KEY_FILE_ENV} or "
+            f"${API_KEY_ENV} in the environment of the Ray nodes",
+        )
+    return key, where
+
+
 def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode("latin-1") if isinstance(key, str) else key).digest()
 
@@ -148,14 +163,7 @@ class OpenAiErrorsIngress(OpenAiIngress):
                  max_choices: int | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._max_choices = max_choices
-        key, where = load_api_key(api_key_file)
-        if key is None and require_api_key:
-            raise ConfigError(
-                "args.security.require_api_key",
-                True,
-                f"no API key found by the ingress replica: set args.security.api_key_file, ${API_KEY_FILE_ENV} or "
-                f"${API_KEY_ENV} in the environment of the Ray nodes",
-            )
+        key, where = ingress_api_key(api_key_file, require_api_key)
         self._api_key_digest = _digest(key) if key is not None else None
         logger.info("API key: %s", f"required (from {where})" if key is not None else "not configured, routes open")
 

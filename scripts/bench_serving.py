@@ -164,8 +164,8 @@ class Engine:
 def engine_from_config(config: Path, tensor_parallel_size: int | None = None) -> Engine:
     """The deploy config's engine, as our builder hands it to Ray Serve LLM; ``tensor_parallel_size`` replaces
     the config's ``args.parallel.tensor_parallel_size`` (for every side alike)."""
-    from kimi_k3_serve import app
-    from kimi_k3_serve.args import load_args
+    from kimi_k3_serve.args import load_args, with_resolved_sources
+    from kimi_k3_serve.args_adapter import vllm_engine_args_of
     from kimi_k3_serve.serve_config import load_serve_app
 
     declared = load_serve_app(config)
@@ -174,12 +174,13 @@ def engine_from_config(config: Path, tensor_parallel_size: int | None = None) ->
         parallel = dict(raw_args.get("parallel") or {}, tensor_parallel_size=tensor_parallel_size)
         raw_args = {**raw_args, "parallel": parallel}
     args = load_args(raw_args, source=f"{config} with tensor_parallel_size {tensor_parallel_size}")
-    model_source, draft_source = app.resolved_sources(args)
+    resolved = with_resolved_sources(args)
+    vllm = vllm_engine_args_of(resolved)
     return Engine(
         model_id=args.model.id,
-        model_source=model_source,
-        engine_kwargs=app.engine_kwargs(args, draft_source),
-        env=app.env_vars(args),
+        model_source=resolved.model.source,
+        engine_kwargs=vllm.engine_kwargs,
+        env=vllm.env_vars,
         raw_args=raw_args,
         accelerator=args.accelerator.kind,
     )

@@ -85,6 +85,17 @@ def test_a_literal_key_in_the_config_is_refused_without_echoing_it(extra, field)
     assert "<redacted>" in str(info.value)
 
 
+def test_required_key_with_none_configured_stops_the_ingress(tmp_path):
+    from kimi_k3_serve.ingress import API_KEY_ENV, ingress_api_key
+
+    with pytest.raises(ConfigError) as info:
+        ingress_api_key(None, True, environ={})
+    assert info.value.field == "args.security.require_api_key"
+    assert "no API key found by the ingress replica" in str(info.value)
+    assert ingress_api_key(None, False, environ={}) == (None, "none")  # not required: the routes stay open
+    assert ingress_api_key(None, True, environ={API_KEY_ENV: KEY}) == (KEY, f"${API_KEY_ENV}")
+
+
 def test_security_section_accepts_a_key_file_and_the_requirement():
     args = load_args({**MINIMAL, "security": {"api_key_file": "/run/secrets/kk3", "require_api_key": True}})
     assert args.security.api_key_file == "/run/secrets/kk3"

@@ -26,7 +26,7 @@ import yaml
 
 from kimi_k3_serve.cli import main
 from kimi_k3_serve.cluster import load_cluster_file
-from kimi_k3_serve.commands.render import deploy_pins, engine_settings, model_inventory
+from kimi_k3_serve.args_adapter import planner_inputs
 from kimi_k3_serve.planner import plan
 from kimi_k3_serve.serve_config import load_serve_app, read_serve_config
 
@@ -144,7 +144,9 @@ def test_gb300_layout_is_the_gemm_rs_sequence_parallel_one(replica_plans):
     assert len({p.node_id for p in verdict.placements}) > 1, "the TP group spans trays of one NVLink domain"
     assert len({p.nvlink_domain for p in verdict.placements}) == 1
     env = load_serve_app(REPO / "deploy/config-gb300-nvl72.yaml").args.runtime_env.env_vars
-    assert env["VLLM_ENABLE_GEMM_RS"] == "1" == verdict.env_vars["VLLM_ENABLE_GEMM_RS"]
+    # the plan's kernel decision needs GEMM-RS switched on, and the config does so (the plan deploys the config's env)
+    assert env["VLLM_ENABLE_GEMM_RS"] == "1" == verdict.optimisations.env["VLLM_ENABLE_GEMM_RS"]
+    assert verdict.env_vars["VLLM_ENABLE_GEMM_RS"] == "1"
 
 
 # --- every deploy config fits its cluster files -----------------------------------------------------------------
@@ -153,14 +155,13 @@ def test_gb300_layout_is_the_gemm_rs_sequence_parallel_one(replica_plans):
 @pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))
 def test_deploy_config_fits_its_cluster_files(config):
     args = load_serve_app(config).args
-    model = model_inventory(args.model.source, field="args.model.source")
-    engine = engine_settings(args)
+    model, engine, pins = planner_inputs(args)
     files = [f for f in _cluster_files_of(config) if "fake" not in f.name]
     assert files, f"no cluster file is rendered from {config.name}"
     for cluster_file in files:
         # The nodes the file starts with hold min_replicas replicas; its maximum holds max_replicas.
         cluster = load_cluster_file(str(cluster_file))
-        verdict = plan(model, engine, cluster, deploy_pins(args, model))
+        verdict = plan(model, engine, cluster, pins)
         assert verdict.fits, cluster_file.name
         world = args.parallel.world_size
         at_capacity = cluster.at_capacity()

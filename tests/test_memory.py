@@ -247,18 +247,20 @@ def test_bad_layouts_name_the_field(k3) -> None:
 
 def test_optimisation_reasons(k3) -> None:
     eng = EngineSettings(max_model_len=32768)
-    hopper = decide_optimisations(k3, Layout(tp=8, pp=2), eng, (9, 0), True)
+    limits = {"max_num_batched_tokens": 8192, "max_num_seqs": 1024}
+    hopper = decide_optimisations(k3, Layout(tp=8, pp=2), eng, (9, 0), True, **limits)
     assert hopper.get("gemm_rs").reason == "Hopper GPUs (SM90): GEMM-RS needs SM100"
     assert hopper.get("sequence_parallel").reason == "PP > 1 disables SP in vLLM 0.32"
     assert hopper.flashkda and not hopper.is_on("gemm_ar")
-    span = decide_optimisations(k3, Layout(tp=16), eng, (10, 0), False)
+    span = decide_optimisations(k3, Layout(tp=16), eng, (10, 0), False, **limits)
     assert span.get("gemm_ar").reason == "TP group spans NVLink domains" and span.env["VLLM_KIMI_K3_GEMM_AR"] == "0"
-    dep = decide_optimisations(k3, Layout(tp=8, ep=True, dp=2), eng, (10, 0), True, max_num_batched_tokens=8192)
+    dep = decide_optimisations(k3, Layout(tp=8, ep=True, dp=2), eng, (10, 0), True, **limits)
     assert dep.sequence_parallel and dep.is_on("gemm_rs") and dep.env["VLLM_ENABLE_GEMM_RS"] == "1"
     assert dep.get("gemm_rs").workspace_bytes == 8192 * 7168 * 2  # 112 MiB
-    ar = decide_optimisations(k3, Layout(tp=8, pp=2), eng, (10, 0), True, max_num_batched_tokens=16384)
+    ar = decide_optimisations(k3, Layout(tp=8, pp=2), eng, (10, 0), True, max_num_batched_tokens=16384,
+                              max_num_seqs=1024)
     assert ar.is_on("gemm_ar") and ar.get("gemm_ar").workspace_bytes == 224 * 2**20
-    ampere = decide_optimisations(k3, Layout(tp=8), eng, (8, 6), True)
+    ampere = decide_optimisations(k3, Layout(tp=8), eng, (8, 6), True, **limits)
     assert not ampere.flashkda
 
 
@@ -267,7 +269,8 @@ def test_sequence_parallel_replicates_shared_mlp(k3) -> None:
     b200 = device("B200")
     sp = estimate_memory(k3, Layout(tp=8, ep=True, dp=2), eng, b200)
     no_sp = estimate_memory(k3, Layout(tp=8, ep=True, dp=2), eng, b200,
-                            optimisations=decide_optimisations(k3, Layout(tp=8, ep=True, pp=1), eng, (10, 0), True))
+                            optimisations=decide_optimisations(k3, Layout(tp=8, ep=True, pp=1), eng, (10, 0), True,
+                                                               max_num_batched_tokens=2048, max_num_seqs=256))
     assert sp.optimisations.sequence_parallel
     shared_sp = sp.ranks[0].weights_by_category["shared_experts"]
     assert shared_sp == 8 * no_sp.ranks[0].weights_by_category["shared_experts"]

@@ -85,6 +85,24 @@ def test_autoscaler_nodes_are_counted_up_to_max():
     assert "placement group 2" in refused.reason
 
 
+def test_packer_and_memory_plan_assume_the_same_cluster_on_nodes_without_a_node_group_label():
+    # A live cluster whose GPU node carries no ray.io/node-group label (node_type None) but the resources of the
+    # autoscaler's node type: it is one of that type's nodes, so the type may add one more, not two.
+    from dataclasses import replace
+
+    from kimi_k3_serve.cluster import ClusterInventory, NodeTypeCapacity, declared_cluster
+    from kimi_k3_serve.preflight import growable_types
+
+    present = declared_cluster("H200", 1).nodes[0]
+    unlabelled = replace(present, node_type=None, resources={**present.resources, "CPU": 192.0, "node:10.0.0.2": 1.0})
+    workers = NodeTypeCapacity("gpu-workers", "H200", 8, 1, 2, resources={**present.resources, "CPU": 192.0})
+    inventory = ClusterInventory(nodes=(unlabelled,), source="live:test", autoscaling=(workers,))
+    packer = growable_types(inventory)
+    memory_plan = inventory.at_capacity()
+    assert [(g.name, g.count) for g in packer] == [("gpu-workers", 1)]
+    assert len(memory_plan.gpu_nodes) == len(inventory.gpu_nodes) + 1 == 2
+
+
 def test_describe_bundles_runs():
     assert describe_bundles(replica(3)) == ("1 x {CPU: 1, GPU: 1, accelerator_type:H200: 0.001} + "
                                             "2 x {GPU: 1, accelerator_type:H200: 0.001}")
@@ -130,9 +148,7 @@ def test_serve_llm_bundles_match_ray_serve_llm(ray_head):
     for raw in (dev_args(), {**dev_args(), "accelerator": {"kind": "gpu", "type": "H200"}, "speculative": None}):
         raw = {k: v for k, v in raw.items() if v is not None}
         args = load_args(raw)
-        source = app.resolve_source(args.model.source, field="args.model.source")
-        draft = app.resolve_source(args.speculative.model, field="x") if args.speculative else None
-        options = LLMServer.get_deployment_options(app._llm_config(args, source, draft))
+        options = LLMServer.get_deployment_options(app.llm_config_of(args))
         ours, strategy = serve_llm_bundles(args)
         theirs = [{k: float(v) for k, v in b.items() if v} for b in options["placement_group_bundles"]]
         assert theirs == ours and options["placement_group_strategy"] == strategy
@@ -142,12 +158,12 @@ def test_dev_config_passes_the_build_time_check(ray_head):
     import psutil
 
     from kimi_k3_serve import app
-    from kimi_k3_serve.args import load_args
+    from kimi_k3_serve.args import load_args, with_resolved_sources
     from kimi_k3_serve.preflight import cpu_need_of_args
 
     args = load_args(dev_args())
-    source = app.resolve_source(args.model.source, field="args.model.source")
-    draft = app.resolve_source(args.speculative.model, field="args.speculative.model")
+    resolved = with_resolved_sources(args)
+    source, draft = resolved.model.source, resolved.speculative.model
     need = cpu_need_of_args(args).total_bytes
     assert need == 2 * GiB + 4 * CPU_PROCESS_BYTES + sum(
         f.stat().st_size for d in (source, draft) for f in Path(d).iterdir() if f.suffix == ".safetensors")
@@ -156,10 +172,10 @@ def test_dev_config_passes_the_build_time_check(ray_head):
     if available < need * 1.2:
         # This machine is shared: when other work holds the memory, the check must say so instead of passing.
         with pytest.raises(DoesNotFitError, match="of host memory on node"):
-            app.preflight(args, app._llm_config(args, source, draft))
+            app.preflight(args, app.llm_config_of(args))
         pytest.skip(f"only {available / GiB:.2f} GiB of host memory available, the dev replica needs "
                     f"{need / GiB:.2f} GiB: refused as it should be")
-    report = app.preflight(args, app._llm_config(args, source, draft))
+    report = app.preflight(args, app.llm_config_of(args))
     print(f"\n[build-time check of deploy/dev.yaml, with vLLM's engine-argument check: "
           f"{time.perf_counter() - started:.2f} s]")
     from kimi_k3_serve.commands.check import serve_llm_bundles

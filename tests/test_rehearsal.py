@@ -236,7 +236,7 @@ def test_rehearse_layers_too_few_names_the_flag(capsys) -> None:
 
 
 def test_rehearse_deploys_the_apps_engine_kwargs(capsys) -> None:
-    from kimi_k3_serve.app import engine_kwargs, env_vars
+    from kimi_k3_serve.args_adapter import vllm_engine_args_of
     from kimi_k3_serve.serve_config import load_serve_app
 
     assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "config.yaml"), "--layers", "4", "--tp", "1", "--pp",
@@ -244,13 +244,14 @@ def test_rehearse_deploys_the_apps_engine_kwargs(capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     args = load_serve_app(REPO_ROOT / "deploy" / "config.yaml").args
     args = args.model_copy(update={"parallel": args.parallel.model_copy(update={
-        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "layer_partition": None})})
-    deployed = engine_kwargs(args, out["engine_kwargs"]["speculative_config"]["model"])
+        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "layer_partition": None}), "speculative":
+        args.speculative.model_copy(update={"model": out["engine_kwargs"]["speculative_config"]["model"]})})
+    deployed = vllm_engine_args_of(args)
     rehearsed = dict(out["engine_kwargs"])
     assert {rehearsed.pop(k) for k in ("load_format", "skip_tokenizer_init", "distributed_executor_backend")} == {
         "dummy", True, "mp"}
-    assert rehearsed == deployed  # every kwarg the app deploys, and the limits the app set (max_num_batched_tokens 8192)
-    assert out["env"] == env_vars(args)
+    assert rehearsed == deployed.engine_kwargs  # every kwarg the app deploys, and the limits the app set
+    assert out["env"] == deployed.env_vars
     assert out["plan"]["verdict"] == "fits"
 
 

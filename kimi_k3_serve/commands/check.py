@@ -18,9 +18,12 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
+
+if TYPE_CHECKING:
+    from kimi_k3_serve.args import ServeArgs
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1
 REPLICA_ACTOR_CPUS = 1.0
@@ -52,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="draw the per-GPU memory as stacked bars")
 
 
-def serve_llm_bundles(args: Any) -> tuple[list[dict[str, float]], str]:
+def serve_llm_bundles(args: ServeArgs) -> tuple[list[dict[str, float]], str]:
     """The placement group Ray Serve LLM 2.60 asks for one replica of this config, without importing it
     (``accelerators.py`` default bundles, ``_merge_replica_actor_and_child_actor_bundles``): one bundle per
     TP x PP worker (``{GPU: 1, accelerator_type:<T>: 0.001}`` on GPUs, ``{CPU: 1}`` on CPU), the replica
@@ -73,7 +76,7 @@ def serve_llm_bundles(args: Any) -> tuple[list[dict[str, float]], str]:
 def declared_snapshot(inventory: Any):
     """A declared cluster as the packer sees it: every node empty; node types the autoscaler may grow, up to
     their max count. A resource a file does not declare (often CPU) is not checked."""
-    from kimi_k3_serve.preflight import ClusterSnapshot, GrowableType, NodeSlot
+    from kimi_k3_serve.preflight import ClusterSnapshot, NodeSlot, growable_types
 
     unchecked = float("inf")
     slots = []
@@ -81,15 +84,7 @@ def declared_snapshot(inventory: Any):
         available = dict(node.resources)
         available.setdefault("CPU", unchecked)
         slots.append(NodeSlot(node.node_id, available, node.node_type))
-    growable = []
-    for capacity in inventory.autoscaling:
-        present = sum(1 for node in inventory.nodes if node.node_type == capacity.name)
-        if capacity.max_count > present:
-            resources = dict(capacity.resources)
-            resources.setdefault("GPU", float(capacity.gpus_per_node))
-            resources.setdefault("CPU", unchecked)
-            growable.append(GrowableType(capacity.name, resources, capacity.max_count - present))
-    return ClusterSnapshot(inventory, tuple(slots), tuple(growable), {})
+    return ClusterSnapshot(inventory, tuple(slots), growable_types(inventory, undeclared=unchecked), {})
 
 
 CONNECT_TIMEOUT_S = 5.0
@@ -113,7 +108,7 @@ def _reachable(address: str) -> None:
         raise ConfigError("--address", address, f"a reachable Ray cluster (connecting failed: {exc})") from None
 
 
-def _live_snapshot(address: str, args: Any):
+def _live_snapshot(address: str, args: ServeArgs):
     _reachable(address)
     import ray
 
@@ -129,10 +124,11 @@ def _live_snapshot(address: str, args: Any):
         ray.shutdown()
 
 
-def _alternatives(serve_args: Any, inventory: Any, started: float) -> tuple[Any | None, str]:
+def _alternatives(serve_args: ServeArgs, inventory: Any, started: float) -> tuple[Any | None, str]:
     """Whether any other layout of the model fits the same cluster: (report of the best or closest, words)."""
     from kimi_k3_serve.planner import NoLayoutFitsError, Pins, plan
-    from kimi_k3_serve.preflight import planner_inputs, report_of_candidate, report_of_plan
+    from kimi_k3_serve.args_adapter import planner_inputs
+    from kimi_k3_serve.preflight import report_of_candidate, report_of_plan
 
     cluster = inventory.at_capacity() if inventory.autoscaling else inventory
     if not cluster.gpu_nodes or any(g.total_bytes is None for n in cluster.gpu_nodes for g in n.gpus):
@@ -172,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = check_before_deploy(serve_args, bundles, strategy, snapshot=snapshot)
     except DoesNotFitError as exc:
-        report = exc.report if hasattr(exc.report, "rows") else None
+        report = exc.report
         message = str(exc).split("\n", 1)[0]
         alternative = ""
         if serve_args.accelerator.kind == "gpu":

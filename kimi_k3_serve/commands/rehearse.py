@@ -7,8 +7,8 @@ Examples:
   kimi-k3-serve rehearse --model kimi-k3 --layers 4 --tp 2 --max-model-len 8192 --json
   kimi-k3-serve rehearse --config deploy/config.yaml --dry-run          # what would start, no GPU needed
 
-The engine kwargs and env are the ones the application builder deploys (``app.engine_kwargs``/``app.env_vars``),
-plus ``load_format: dummy``; limits a config leaves unset are resolved as the Serve replica's vLLM resolves them.
+The engine kwargs and env are the ones the application builder deploys (``args_adapter.vllm_engine_args_of``,
+the plan's one translation to vLLM), plus ``load_format: dummy``; limits a config leaves unset are resolved as the Serve replica's vLLM resolves them.
 On one host the engine uses vLLM's multiprocessing executor (``--executor ray`` uses Ray's, on the Ray cluster of
 ``RAY_ADDRESS``). ``--layers N`` rehearses the first N layers of a Kimi-K3 (every layer kind kept) and its draft.
 Exit code: 0 vLLM started and generated; 1 it did not (the table says where and why); 2 bad input.
@@ -25,10 +25,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi_k3_serve.commands.argtypes import fraction, positive_int
 from kimi_k3_serve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kimi_k3_serve.args import ServeArgs
 
 EXIT_STARTED, EXIT_FAILED = 0, 1
 SHIPPED_DRAFTS = {"kimi-k3-dspark", "kimi-k3-eagle3"}
@@ -71,7 +74,7 @@ def _json_flag(text: str | None, flag: str) -> Any:
         raise ConfigError(flag, text, f"expected JSON ({exc.msg})") from None
 
 
-def serve_args_of(ns: argparse.Namespace):
+def serve_args_of(ns: argparse.Namespace) -> ServeArgs:
     """The ``ServeArgs`` to rehearse: the deploy config's (or a GPU config made from the flags), flags applied."""
     from kimi_k3_serve.args import load_args
 
@@ -115,8 +118,8 @@ def serve_args_of(ns: argparse.Namespace):
 
 def _model_config(source: str, field: str) -> tuple[dict[str, Any], Path | None]:
     """(config.json, the folder to load weights/tokenizer from or None for a shipped config) of a source."""
-    from kimi_k3_serve.args import CACHE_PREFIX, resolve_source
-    from kimi_k3_serve.commands.render import SHIPPED_MODEL_IDS
+    from kimi_k3_serve.args import resolve_source
+    from kimi_k3_serve.args_adapter import SHIPPED_MODEL_IDS
     from kimi_k3_serve.models import SHIPPED, read_config
 
     name = SHIPPED_MODEL_IDS.get(source, source)
@@ -124,15 +127,14 @@ def _model_config(source: str, field: str) -> tuple[dict[str, Any], Path | None]
         return read_config(name)[0], None
     if Path(source).expanduser().is_file() and source.endswith(".json"):  # a bare config.json: enough for dummy weights
         return read_config(Path(source).expanduser())[0], None
-    path = resolve_source(source, field=field) if source.startswith((CACHE_PREFIX, ".", "/", "~")) else source
-    folder = Path(path).expanduser()
+    folder = Path(resolve_source(source, field=field)).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(field, source, "a local checkpoint folder with config.json, or a model whose config ships with "
                           f"kimi-k3-serve ({', '.join(sorted(SHIPPED_MODEL_IDS))}): the rehearsal reads no model hub")
     return read_config(folder)[0], folder
 
 
-def materialize_models(args, work: Path, layers: int | None):
+def materialize_models(args: ServeArgs, work: Path, layers: int | None):
     """Write the target's (and draft's) config.json where vLLM can load them with dummy weights, sliced to ``layers``
     layers when asked. Returns (args with those folders as sources, target folder, draft folder or None)."""
     from kimi_k3_serve.rehearsal.slicing import slice_draft_config, slice_text_config
@@ -161,27 +163,27 @@ def materialize_models(args, work: Path, layers: int | None):
     return args.model_copy(update=update), target_dir, draft_dir
 
 
-def engine_of(args, target_dir: Path, draft_dir: Path | None, executor: str,
-              resolved_tokens: int) -> tuple[dict[str, Any], dict[str, str]]:
+def engine_of(args: ServeArgs, target_dir: Path, executor: str, resolved_tokens: int) -> tuple[dict[str, Any], dict[str, str]]:
     """(engine kwargs, env) as the application builder deploys them, for dummy weights. ``resolved_tokens`` is the
     plan's ``max_num_batched_tokens``, what a Serve replica's vLLM picks when the config leaves it unset."""
-    from kimi_k3_serve.app import engine_kwargs, env_vars
+    from kimi_k3_serve.args_adapter import vllm_engine_args_of
 
-    kwargs = engine_kwargs(args, str(draft_dir) if draft_dir else None)
-    kwargs["load_format"] = "dummy"
+    dummy = args.model_copy(update={"model": args.model.model_copy(update={"load_format": "dummy"})})
+    vllm = vllm_engine_args_of(dummy)  # args' sources are the materialized folders (target_dir, draft_dir)
+    kwargs = vllm.engine_kwargs
     if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         kwargs["skip_tokenizer_init"] = True
     if "max_num_batched_tokens" not in kwargs:  # the Serve replica's vLLM sees no GPU: its fallback, not vllm.LLM's
         kwargs["max_num_batched_tokens"] = resolved_tokens
     kwargs["distributed_executor_backend"] = executor
-    return kwargs, env_vars(args)
+    return kwargs, vllm.env_vars
 
 
-def predict(args, device):
+def predict(args: ServeArgs, device):
     """The plan's memory report for these args on ``device`` (a ``RankDevice``)."""
+    from kimi_k3_serve.args_adapter import planner_inputs
     from kimi_k3_serve.layout import Layout
     from kimi_k3_serve.memory import estimate_memory
-    from kimi_k3_serve.preflight import planner_inputs
 
     model, engine, pins = planner_inputs(args)
     layout = Layout(tp=pins.tp, pp=pins.pp, ep=bool(pins.ep), dp=pins.dp, layer_partition=pins.layer_partition)
@@ -348,7 +350,7 @@ def run(ns: argparse.Namespace) -> int:
     else:
         device, labels = local_devices(args.parallel.world_size, ns.dry_run)
     report = predict(args, device)
-    kwargs, env = engine_of(args, target_dir, draft_dir, ns.executor, report.max_num_batched_tokens)
+    kwargs, env = engine_of(args, target_dir, ns.executor, report.max_num_batched_tokens)
     result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels,
                               "plan": {"verdict": report.verdict, "fits": report.fits,
                                        "safe_gpu_memory_utilization": report.safe_gpu_memory_utilization,

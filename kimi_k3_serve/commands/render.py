@@ -15,11 +15,10 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.hardware import lookup_gpu
-from kimi_k3_serve.layout import EngineSettings, SpeculativeSettings
 from kimi_k3_serve.render import (
     FORMATS,
     PLATFORM_OF_FORMAT,
@@ -31,6 +30,9 @@ from kimi_k3_serve.render import (
     render,
 )
 from kimi_k3_serve.units import cdiv, fmt_gib
+
+if TYPE_CHECKING:
+    from kimi_k3_serve.args import ServeArgs
 
 FAKE_IDLE_TIMEOUT_S = 12
 """The fake cluster is for tests: nodes go away 12 s (0.2 min) after the placement group is released."""
@@ -44,8 +46,7 @@ class DeployConfig:
     path: Path
     text: str
     app_name: str
-    args: Any
-    """``kimi_k3_serve.args.ServeArgs``."""
+    args: ServeArgs
 
 
 def load_deploy_config(path: str | Path, *, app: str | None = None) -> DeployConfig:
@@ -60,85 +61,20 @@ def load_deploy_config(path: str | Path, *, app: str | None = None) -> DeployCon
     return DeployConfig(Path(path), Path(path).read_text(), serve_app.name, args)
 
 
-# Hub ids of the checkpoints whose config.json ships with the package, so a deploy config that names the hub
-# id is planned offline. Any other source must be a local folder (or config.json) the planner can read.
-SHIPPED_MODEL_IDS = {"moonshotai/Kimi-K3": "kimi-k3", "Inferact/Kimi-K3-DSpark": "kimi-k3-dspark"}
-
-
-def model_inventory(source: str, *, field: str):
-    from kimi_k3_serve.models import load_model
-
-    shipped = SHIPPED_MODEL_IDS.get(source)
-    try:
-        return load_model(shipped or source)
-    except ConfigError as exc:
-        raise ConfigError(
-            field, source, f"{', '.join(SHIPPED_MODEL_IDS)} or a local checkpoint folder / config.json ({exc.allowed})"
-        ) from None
-
-
-def engine_settings(args: Any) -> EngineSettings:
-    """The planner's view of the deploy config's engine: the limits, the draft, and the pass-through engine
-    arguments that change memory."""
-    limits, extra = args.limits, args.engine_kwargs
-    speculative = None
-    if args.speculative is not None:
-        speculative = SpeculativeSettings(
-            method=args.speculative.method,
-            num_speculative_tokens=args.speculative.num_speculative_tokens,
-            draft=model_inventory(args.speculative.model, field="args.speculative.model"),
-            draft_tp=args.speculative.draft_tensor_parallel_size,
-        )
-    return EngineSettings(
-        max_model_len=limits.max_model_len,
-        max_num_seqs=limits.max_num_seqs,
-        max_num_batched_tokens=limits.max_num_batched_tokens,
-        kv_cache_dtype=limits.kv_cache_dtype,
-        gpu_memory_utilization=limits.gpu_memory_utilization,
-        enable_prefix_caching=limits.enable_prefix_caching,
-        mamba_ssm_cache_dtype=extra.get("mamba_ssm_cache_dtype", "auto"),
-        speculative=speculative,
-        language_model_only=bool(extra.get("language_model_only", False)),
-        enforce_eager=limits.enforce_eager,
-        moe_backend=str(extra.get("moe_backend", "auto")),
-        fp8_prefill_query=bool((extra.get("attention_config") or {}).get("use_prefill_query_quantization", False)),
-    )
-
-
-def plan_replica(args: Any, *, gpus_per_node: int):
+def plan_replica(args: ServeArgs, *, gpus_per_node: int):
     """The planner's check of the deploy config's own layout on the nodes one replica occupies.
 
     Raises ``DoesNotFitError`` (exit 1) with the per-GPU shortfall when it does not fit: a cluster file is not
     written for a replica that cannot load.
     """
+    from kimi_k3_serve.args_adapter import planner_inputs
     from kimi_k3_serve.cluster import declared_cluster
     from kimi_k3_serve.planner import plan
 
-    parallel = args.parallel
-    model = model_inventory(args.model.source, field="args.model.source")
-    nodes = cdiv(parallel.world_size, gpus_per_node)
+    model, engine, pins = planner_inputs(args)
+    nodes = cdiv(args.parallel.world_size, gpus_per_node)
     cluster = declared_cluster(args.accelerator.type, nodes, gpus_per_node)
-    return plan(model, engine_settings(args), cluster, deploy_pins(args, model))
-
-
-def deploy_pins(args: Any, model: Any):
-    """The deploy config's layout, pinned: the planner checks exactly what will run. Without a
-    ``layer_partition`` vLLM splits the layers its default way, so that split is pinned too."""
-    from kimi_k3_serve.planner import Pins, default_partition
-
-    parallel = args.parallel
-    pp = parallel.pipeline_parallel_size
-    if parallel.layer_partition is not None:
-        partition = tuple(parallel.layer_partition)
-    else:
-        partition = default_partition(model.num_layers, pp) if pp > 1 else None
-    return Pins(
-        tp=parallel.tensor_parallel_size,
-        pp=pp,
-        ep=parallel.enable_expert_parallel,
-        dp=parallel.data_parallel_size,
-        layer_partition=partition,
-    )
+    return plan(model, engine, cluster, pins)
 
 
 def replica_shape_from_plan(plan: Any, *, gpus_per_node: int, cpus_per_node: int, memory_bytes_per_node: int) -> ReplicaShape:

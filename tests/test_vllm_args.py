@@ -1,0 +1,78 @@
+"""What ``build_app`` deploys is what the plan shows: one translation from a plan to vLLM (``vllm_args``).
+
+On every shipped deploy config that the planner can size (the GPU ones; a CPU engine has no GPU plan), the
+``LLMConfig`` the application builder makes carries exactly the plan's ``engine_kwargs`` and ``env_vars``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import load_script
+from kimi_k3_serve.layout import EngineSettings, Layout
+from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.vllm_args import CPU_ENV_DEFAULTS, LAYER_PARTITION_ENV, engine_kwargs, env_vars
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = sorted((REPO / "deploy").glob("*.yaml"))
+
+
+def _kind(config: Path) -> str:
+    return load_serve_app(config).args.accelerator.kind
+
+
+GPU_CONFIGS = [c for c in DEPLOY if _kind(c) == "gpu"]
+
+
+def test_every_shipped_config_is_planned_or_runs_on_cpu():
+    assert {c.name for c in DEPLOY if c not in GPU_CONFIGS} == {"dev.yaml", "dev-pp.yaml"}
+    assert len(GPU_CONFIGS) == 4
+
+
+@pytest.fixture(scope="module")
+def slice_cache(tmp_path_factory):
+    """The model cache ``deploy/gpu-rehearsal.yaml`` names (configs and a tokenizer, no weights)."""
+    cache = tmp_path_factory.mktemp("cache")
+    load_script("make_kimi_slice").make_slice(cache, 4)
+    return cache
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=[c.name for c in GPU_CONFIGS])
+def test_build_app_deploys_what_the_plan_shows(config, slice_cache, monkeypatch):
+    from kimi_k3_serve.app import llm_config_of
+    from kimi_k3_serve.commands.render import plan_replica
+    from kimi_k3_serve.hardware import lookup_gpu
+
+    monkeypatch.setenv("KIMI_K3_SERVE_MODEL_CACHE", str(slice_cache))
+    args = load_serve_app(config).args
+    # one TP group per node at most: the planner puts pipeline stages on distinct nodes (the rehearsal's two 1-GPU nodes)
+    per_node = min(lookup_gpu(args.accelerator.type).gpus_per_node, args.parallel.tensor_parallel_size)
+    shown = plan_replica(args, gpus_per_node=per_node)
+    deployed = llm_config_of(args)
+    assert shown.fits
+    assert deployed.engine_kwargs == shown.engine_kwargs
+    assert deployed.runtime_env["env_vars"] == shown.env_vars
+    # the config's own pass-through arguments and environment are in both
+    assert args.engine_kwargs.items() <= shown.engine_kwargs.items()
+    assert args.runtime_env.env_vars.items() <= shown.env_vars.items()
+
+
+def test_the_translation_of_a_cpu_engine():
+    engine = EngineSettings(max_model_len=512, max_num_seqs=4, accelerator="cpu", env_vars={"VLLM_CPU_KVCACHE_SPACE": "2"})
+    kwargs = engine_kwargs(Layout(tp=2, pp=2, layer_partition=(3, 1)), engine)
+    assert "gpu_memory_utilization" not in kwargs  # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"], kwargs["max_num_seqs"]) == (2, 2, 4)
+    env = env_vars(Layout(tp=2, pp=2, layer_partition=(3, 1)), engine)
+    assert env == {**CPU_ENV_DEFAULTS, LAYER_PARTITION_ENV: "3,1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def test_without_a_deploy_config_the_plan_proposes_its_kernel_environment():
+    from kimi_k3_serve.optimisations import OptimisationItem, Optimisations
+
+    decided = Optimisations((OptimisationItem("gemm_rs", True, "why", env=(("VLLM_ENABLE_GEMM_RS", "1"),)),))
+    assert env_vars(Layout(tp=8), EngineSettings(max_model_len=1024), decided) == {"VLLM_ENABLE_GEMM_RS": "1"}
+    # a deploy config's environment is deployed as written
+    configured = EngineSettings(max_model_len=1024, env_vars={"NCCL_DEBUG": "WARN"})
+    assert env_vars(Layout(tp=8), configured, decided) == {"NCCL_DEBUG": "WARN"}
