@@ -36,7 +36,7 @@ def _wide_ep_args_on_tiny(tiny_models) -> dict:
     return {k: v for k, v in raw.items() if v is not None}
 
 
-def test_build_app_deploys_dp_through_ray_serve_llms_dp_builder(ray_head, tiny_models):
+def test_build_app_deploys_dp_through_ray_serve_llms_dp_builder(ray_head, tiny_models, monkeypatch):
     from ray.serve.llm import build_dp_deployment
     from ray.serve.llm.deployment import DPServer as ServeDPServer
 
@@ -44,10 +44,16 @@ def test_build_app_deploys_dp_through_ray_serve_llms_dp_builder(ray_head, tiny_m
     from kimi_k3_serve.args import load_args
     from kimi_k3_serve.cluster import load_cluster_file
     from kimi_k3_serve.commands.render import deploy_pins, engine_settings, load_deploy_config, model_inventory
+    from kimi_k3_serve.errors import DoesNotFitError
     from kimi_k3_serve.planner import plan
 
     raw = _wide_ep_args_on_tiny(tiny_models)
-    application = app.build_app(raw)  # the local head has no GPU: the build-time check refuses nothing it cannot see
+    # The build-time check packs the whole gang (8 DP ranks x 4 bundles, PACK) on the connected cluster: the local
+    # CPU head has no GPU, so it refuses before anything is deployed, naming the gang's 32 GPUs.
+    with pytest.raises(DoesNotFitError, match="GPU: needs 32, cluster has 0"):
+        app.build_app(raw)
+    monkeypatch.setattr(app, "preflight", lambda args, llm_config: app.PreflightReport("", None, ()))
+    application = app.build_app(raw)
     ingress = application._bound_deployment
     assert ingress.name == "OpenAiErrorsIngress" and ingress.num_replicas == 2
     deployment = ingress.init_kwargs["llm_deployments"]["kimi-k3"]._bound_deployment
@@ -56,7 +62,7 @@ def test_build_app_deploys_dp_through_ray_serve_llms_dp_builder(ray_head, tiny_m
     # The same LLMConfig through Ray Serve LLM's own builder, with its own DPServer: the same deployment.
     llm_config = app.llm_config_of(load_args(raw))
     theirs = build_dp_deployment(llm_config)._bound_deployment
-    assert theirs.func_or_class is ServeDPServer
+    assert issubclass(deployment.func_or_class, theirs.func_or_class)  # their DPServer, our replica behaviour on top
     assert deployment._deployment_config == theirs._deployment_config
     assert deployment._replica_config.placement_group_bundles == theirs._replica_config.placement_group_bundles
 
