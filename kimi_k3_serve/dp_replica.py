@@ -9,7 +9,9 @@ loads anything):
 
 1. reads the gang's bundle-to-node table and DP rank 0's node (``GangMasterInfoRegistry``, which ``DPServer``
    filled before the engine starts), and derives every DP rank's bundle slice with ``DPServer``'s own functions;
-2. probes every GPU bundle of the gang (NVML on its node, the GPU Ray gave it);
+2. probes its own bundles for the exact GPU Ray gave each (NVML), and the other DP ranks' bundles without asking for
+   a GPU (their engines may already hold them): NVML on their nodes gives the NVLink domain, and the node's GPU with
+   the least free memory stands for the bundle's (conservative);
 3. for every DP rank, orders its slice so each TP group stays in one NVLink domain and the last PP stage sits on
    its roomiest node (``placement.bundle_order``, the single-engine rule); a DP rank whose slice cannot keep a TP
    group inside one domain fails the check, naming the rank and its bundles per node. This replica's own order
@@ -17,8 +19,8 @@ loads anything):
 4. checks the memory model on every rank of every DP engine (``planner.memory_on_devices`` with the whole DP
    layout: the experts split over TP x DP, each engine's own KV pool), and says which DP ranks share an NVLink
    domain (the EP all-to-all between them stays on NVLink) and which cross the network;
-5. DP rank 0 runs the communication smoke test across the gang's nodes (the EP all-to-all spans all of them);
-   the other ranks leave it to rank 0.
+5. DP rank 0 runs the communication smoke test across the gang's nodes (the EP all-to-all spans all of them),
+   over gloo without a GPU (the other ranks' engines may hold theirs); the other ranks leave it to rank 0.
 """
 
 from __future__ import annotations
@@ -113,6 +115,22 @@ def order_dp_ranks(layout: Any, slices: Sequence[Sequence[int]], table: Mapping[
     return out
 
 
+def tightest_gpu_by_bundle(probes: Sequence[Any]) -> tuple[dict[int, Any], list[str]]:
+    """Bundle -> the ``GpuInfo`` with the least free memory on its node (probes that asked for no GPU: which GPU the
+    bundle holds is not known, its node's tightest stands for it); and why any node has no reading."""
+    from kimi_k3_serve.nvml import parse_readings
+
+    found: dict[int, Any] = {}
+    missing: list[str] = []
+    for probe in probes:
+        gpus, reason = parse_readings(probe.reading or {"unavailable": "no reading"}, node_domain=f"node:{probe.node_id}")
+        if not gpus:
+            missing.append(f"node {probe.node_id}: {reason}")
+            continue
+        found[probe.bundle] = min(gpus, key=lambda g: (g.free if g.free is not None else g.total_bytes or 0, g.index))
+    return found, missing
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The replica-start check of a DP rank (Ray)
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,12 +172,18 @@ def check_dp_replica(args: Any, pg: Any, *, dp_rank: int, dp_size: int, driver_n
                                 f"{layout.describe()} need {per_rank * dp_size}")
     slices = dp_rank_slices(_sort_bundle_indices_by_node(table, driver_node_id), dp_size, per_rank,
                             DPServer._compute_bundle_indices)
-    probes = probe_bundles(pg, sorted(table), gpu=True, timeout_s=probe_timeout_s)
+    own = set(slices[dp_rank])
+    probes = probe_bundles(pg, sorted(own), gpu=True, timeout_s=probe_timeout_s)
+    others = probe_bundles(pg, sorted(set(table) - own), gpu=False, read_gpus=True, timeout_s=probe_timeout_s)
     lines = [f"gang placement group: {len(table)} bundles on {len(set(table.values()))} node(s), {dp_size} DP ranks "
              f"of {per_rank} GPU(s); this replica is DP rank {dp_rank}"]
     if draft_line is not None:
         lines.insert(0, draft_line)
     by_bundle, missing = _gpus_by_bundle(probes)
+    other_gpus, other_missing = tightest_gpu_by_bundle(others)
+    by_bundle.update(other_gpus)
+    missing += other_missing
+    probes = probes + others
     domains = {p.node_id: by_bundle[p.bundle].nvlink_domain for p in probes if p.bundle in by_bundle}
     free_by_node: dict[str, int] = {}
     for probe in probes:
@@ -209,7 +233,10 @@ def check_dp_replica(args: Any, pg: Any, *, dp_rank: int, dp_size: int, driver_n
         else:
             ips = {p.node_id: p.node_ip for p in probes}
             names = [f"{table[b]} ({ips.get(table[b], '?')})" for b in distinct]
-            lines.append(comm_smoke_test(pg, distinct, names, backend=comm_backend or "nccl", timeout_s=comm_timeout_s,
+            # gloo, asking for no GPU: the other DP ranks' engines may already hold their bundles' GPUs, and a
+            # probe waiting for one would time out. It proves the gang's nodes reach each other; NCCL over the
+            # fabric is vLLM's own first collective.
+            lines.append(comm_smoke_test(pg, distinct, names, backend=comm_backend or "gloo", timeout_s=comm_timeout_s,
                                          env=env))
     else:
         lines.append("communication: DP rank 0 tests the gang's cross-node links")

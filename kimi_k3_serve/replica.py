@@ -90,7 +90,11 @@ def _probe_bundle(bundle: int, read_gpus: bool) -> dict[str, Any]:
     }
 
 
-def probe_bundles(pg: Any, bundles: Sequence[int], *, gpu: bool, timeout_s: float) -> list[BundleProbe]:
+def probe_bundles(pg: Any, bundles: Sequence[int], *, gpu: bool, timeout_s: float,
+                  read_gpus: bool | None = None) -> list[BundleProbe]:
+    """``gpu``: ask for a sliver of the bundle's GPU (the probe learns which GPU it is). ``read_gpus`` (default: ``gpu``)
+    without ``gpu`` reads the node's GPUs while asking for none: a bundle whose GPU another engine already holds
+    (another DP rank of the gang) is still probed."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -101,7 +105,7 @@ def probe_bundles(pg: Any, bundles: Sequence[int], *, gpu: bool, timeout_s: floa
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index,
                                                                  placement_group_capture_child_tasks=False),
             name=f"kimi_k3_serve.probe_bundle_{index}",
-        ).remote(index, gpu)
+        ).remote(index, gpu if read_gpus is None else read_gpus)
         for index in bundles
     ]
     try:

@@ -190,3 +190,26 @@ def test_dp_runner_runs_one_process_per_rank(monkeypatch):
     monkeypatch.setattr(multiprocessing, "get_context", lambda method: FakeContext())
     assert dp_runner.run_dp({"model": "m", "engine_kwargs": {"data_parallel_size": 2}}) == 0
     assert seen == [(0, 2, True), (1, 2, True)]  # each rank drops it itself, after setting VLLM_DP_* (_rank)
+
+
+def test_other_dp_ranks_bundles_are_read_without_their_gpu():
+    """Another DP rank's engine may already hold its bundles' GPUs: those are probed asking for no GPU, and the
+    node's GPU with the least free memory stands for each (conservative for the memory check)."""
+    import copy
+    import json
+
+    from kimi_k3_serve.dp_replica import tightest_gpu_by_bundle
+    from kimi_k3_serve.replica import BundleProbe
+
+    reading = json.loads((REPO / "tests" / "fixtures" / "nvml" / "h200-2026-11-29.json").read_text())["nvml_before_cuda_init"]
+    two = copy.deepcopy(reading)
+    extra = copy.deepcopy(two["devices"][0])
+    extra["index"] = 1
+    for key in ("memory_v1", "memory_v2"):
+        if key in extra:
+            extra[key]["free"] = extra[key]["free"] // 2
+    two["devices"].append(extra)
+    probes = [BundleProbe(4, "n1", "10.0.0.2", (), two, 0), BundleProbe(5, "n2", "10.0.0.3", (), None, 0)]
+    found, missing = tightest_gpu_by_bundle(probes)
+    assert found[4].index == 1 and found[4].nvlink_domain == "node:n1"
+    assert missing and "node n2" in missing[0]
