@@ -58,17 +58,22 @@ def build_app(args: dict[str, Any]):
     if validated.security.api_key_file:  # fail now, not in the ingress replica; the key is not kept here
         load_api_key(validated.security.api_key_file, environ={})
 
+    ingress_extra_kwargs = {  # where the ingress replica finds the API key; never the key itself
+        "api_key_file": validated.security.api_key_file,
+        "require_api_key": validated.security.require_api_key,
+        "max_choices": validated.limits.max_num_seqs,
+    }
+    if validated.parallel.data_parallel_size > 1:  # Ray Serve LLM's data-parallel builder (kimi_k3_serve.dp_serve)
+        from kimi_k3_serve.dp_serve import build_dp_app
+
+        return build_dp_app(llm_config, ingress_cls=OpenAiErrorsIngress, ingress_extra_kwargs=ingress_extra_kwargs,
+                            ingress_deployment_config=ingress_deployment_config(validated))
     return build_openai_app(
         {
             "llm_configs": [llm_config],
             "ingress_cls_config": {
                 "ingress_cls": OpenAiErrorsIngress,
-                # Where the ingress replica finds the API key; never the key itself.
-                "ingress_extra_kwargs": {
-                    "api_key_file": validated.security.api_key_file,
-                    "require_api_key": validated.security.require_api_key,
-                    "max_choices": validated.limits.max_num_seqs,
-                },
+                "ingress_extra_kwargs": ingress_extra_kwargs,
             },
             "ingress_deployment_config": ingress_deployment_config(validated),
         }
@@ -79,11 +84,17 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
     """Checks that can run before anything is deployed; raises ``ConfigError`` or ``DoesNotFitError``."""
     from ray.serve.llm import LLMServer
 
+    dp = args.parallel.data_parallel_size
     checks = [f"model folder or id: {llm_config.model_loading_config.model_source}"]
     try:
         # Ray Serve LLM's own computation: builds vLLM's engine arguments (rejecting unknown ones) and the
-        # placement group bundles of one replica.
-        options = LLMServer.get_deployment_options(llm_config)
+        # placement group bundles of one replica (with DP: of one DP rank, gang-scheduled DP at a time).
+        if dp > 1:
+            from kimi_k3_serve.dp_serve import dp_deployment_options
+
+            options = dp_deployment_options(llm_config)
+        else:
+            options = LLMServer.get_deployment_options(llm_config)
     except ValueError as exc:
         named = [key for key in args.engine_kwargs if key in str(exc)]
         if named:  # a pass-through argument vLLM does not know or does not accept
@@ -91,10 +102,12 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
             raise ConfigError(f"args.engine_kwargs.{key}", args.engine_kwargs[key], f"vLLM refused it: {exc}") from None
         raise
     bundles = tuple(dict(b) for b in options.get("placement_group_bundles") or ())
-    checks.append(f"one replica reserves {len(bundles)} bundle(s): {list(bundles)}")
+    checks.append(f"one replica reserves {len(bundles)} bundle(s): {list(bundles)}"
+                  + (f"; {dp} replicas (one per DP rank) are gang-scheduled into one PACK placement group" if dp > 1 else ""))
     from kimi_k3_serve.preflight import check_before_deploy  # placement, then per-GPU (or host) memory
 
-    checks.extend(check_before_deploy(args, bundles, options.get("placement_group_strategy") or "PACK").lines)
+    checks.extend(check_before_deploy(args, bundles, options.get("placement_group_strategy") or "PACK",
+                                      gang_size=dp).lines)
     speculative = llm_config.engine_kwargs.get("speculative_config")
     return PreflightReport(
         model_source=str(llm_config.model_loading_config.model_source),
@@ -109,7 +122,10 @@ def llm_config_of(args: ServeArgs):
     arguments and environment are the plan's translation to vLLM (``args_adapter.vllm_engine_args_of``)."""
     from ray.serve.llm import LLMConfig
 
-    from kimi_k3_serve.server import LLMServer  # hang-aware health check, first token never batched
+    if args.parallel.data_parallel_size > 1:  # Ray Serve LLM's DPServer with the same replica behaviour
+        from kimi_k3_serve.dp_serve import DPServer as LLMServer
+    else:
+        from kimi_k3_serve.server import LLMServer  # hang-aware health check, first token never batched
     from kimi_k3_serve.replica import replica_callback_config  # the check on the GPUs Serve reserved
 
     resolved = with_resolved_sources(args)

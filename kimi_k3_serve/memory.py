@@ -35,6 +35,7 @@ from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice
 from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
 from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.units import GiB, MiB, cdiv
+from kimi_k3_serve.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
 
 NON_TORCH_TP1 = int(0.45 * GiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
@@ -167,6 +168,8 @@ class MemoryReport:
     safe_gpu_memory_utilization: float | None = None
     """The largest gpu_memory_utilization (to 0.005) at which every rank still has room for what vLLM allocates after
     sizing the KV cache; None when no value does."""
+    engine_concurrency: tuple[float, ...] = ()
+    """Requests of max_model_len each DP engine's own pool holds, by DP rank (``max_concurrency`` is the smallest)."""
 
     def stage_ranks(self) -> list[RankMemory]:
         """The first rank of every stage (ranks of a stage on identical devices are identical)."""
@@ -184,6 +187,7 @@ class MemoryReport:
             "engine": {
                 "num_blocks": self.num_blocks, "block_size": self.block_size, "kv_cache_tokens": self.kv_cache_tokens,
                 "max_concurrency": self.max_concurrency, "blocks_per_request": self.blocks_per_request,
+                "engine_concurrency": list(self.engine_concurrency),
                 "max_model_len": self.engine.max_model_len, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "gpu_memory_utilization": self.engine.gpu_memory_utilization,
@@ -341,6 +345,11 @@ def estimate_memory(
     estimates: list[Estimate] = []
     for s, (start, end) in enumerate(stages):
         weights, by_cat = _stage_weights(model, layout, engine, s, start, end, ep_size, sp)
+        eplb_weights, eplb_state = eplb_costs(model, layout, engine.num_redundant_experts, start, end,
+                                              engine.eplb_window_size)
+        if eplb_weights:  # the redundant experts: exact, whole experts like the others
+            weights += eplb_weights
+            by_cat = {**by_cat, "routed_experts": by_cat.get("routed_experts", 0) + eplb_weights}
         draft_bytes = _draft_bytes(model, draft, spec, layout, s) if spec else 0
         act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft)
         non_torch = NON_TORCH_TP_MULTI if layout.tp > 1 else NON_TORCH_TP1
@@ -364,6 +373,13 @@ def estimate_memory(
                 ws_margin += item.margin_bytes
             if item.estimate:
                 estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
+        if eplb_state:  # allocated while the model loads (EplbState.add_model), so the profile sees it
+            ws += eplb_state
+            ws_margin += eplb_state // 10
+            estimates.append(Estimate("workspace:eplb", s, eplb_state, eplb_state // 10,
+                                      "EPLB state (vllm/distributed/eplb/eplb_state.py add_model): one MoE layer's local "
+                                      f"experts as a receive buffer + expert maps and a {engine.eplb_window_size}-pass "
+                                      "load window per MoE layer; +-10%"))
         estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
                                   "post-snapshot non-torch: 0.45 GiB TP1 (fitted, H200 2026-11-30), 2.1 GiB TP>=2 (llm-d, H100)"))
@@ -379,8 +395,9 @@ def estimate_memory(
         budget = math.ceil(d.total_bytes * engine.gpu_memory_utilization)
         budgets.append(budget)
         avail.append(budget - stage_costs[rank_stage[r]].non_kv_bytes)
-    pool = plan_pool(grouping, [local[rank_stage[r]] for r in range(world)], avail,
-                     max_model_len=engine.max_model_len, dcp=layout.dcp)
+    # Each DP rank is its own engine core that sizes its own pool (vLLM v1/engine/core.py _initialize_kv_caches).
+    pool = pools_per_engine(plan_pool, grouping, [local[rank_stage[r]] for r in range(world)], avail,
+                            ranks_per_engine=layout.tp * layout.pp, max_model_len=engine.max_model_len, dcp=layout.dcp)
     state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
     state_blocks = sum(g.blocks_per_request(engine.max_model_len) for g in state_groups)
     page = grouping.groups[0].page_of(0) if grouping.groups else 0
@@ -436,7 +453,12 @@ def estimate_memory(
         notes.append(f"DCP {layout.dcp}: MLA tokens are split across ranks (blocks per request use max_model_len / DCP); "
                      "not covered by the conformance tests")
     if layout.dp > 1:
-        notes.append(f"DP {layout.dp}: each DP rank is its own engine core with this pool; total concurrency x{layout.dp}")
+        total = sum(min(c, seqs) for c in pool.engine_concurrency)
+        notes.append(f"DP {layout.dp}: each DP rank is its own engine core with its own KV pool (the figures above are "
+                     f"the smallest engine's); all {layout.dp} together hold {total:,.1f} requests of max_model_len at "
+                     f"once (each capped at max_num_seqs {seqs})")
+    if model.is_moe and (layout.dp > 1 or engine.num_redundant_experts):
+        notes.append("experts: " + expert_split(model, layout, engine.num_redundant_experts).describe())
     return MemoryReport(
         layout=layout, engine=engine, ranks=tuple(ranks), num_blocks=pool.num_blocks, block_size=block_size,
         kv_cache_tokens=pool.kv_cache_tokens, max_concurrency=pool.max_concurrency, blocks_per_request=pool.blocks_per_request,
@@ -444,7 +466,7 @@ def estimate_memory(
         optimisations=optimisations, notes=tuple(notes), max_num_seqs=seqs, max_num_batched_tokens=mnbt,
         enable_prefix_caching=prefix, stage_layers=tuple(stages), kv_grouping=grouping.kind,
         num_kv_groups=len(grouping.groups), padding_layers=grouping.padding_layers,
-        verdict=verdict, safe_gpu_memory_utilization=safe_util,
+        verdict=verdict, safe_gpu_memory_utilization=safe_util, engine_concurrency=pool.engine_concurrency,
     )
 
 
@@ -494,6 +516,7 @@ def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings) -> 
     kv = model.num_kv_heads
     if not model.uses_mla and kv and (kv % layout.tp if layout.tp <= kv else layout.tp % kv):
         raise ConfigError("layout.tp", layout.tp, f"must divide num_key_value_heads = {kv} or be a multiple of it")
+    check_eplb(model, layout, engine.num_redundant_experts)
     if engine.kv_cache_dtype == "fp8_ds_mla" and not model.uses_mla:
         raise ConfigError("engine.kv_cache_dtype", "fp8_ds_mla", "fp8_ds_mla is an MLA cache format; this model has no MLA layers")
     if model.family == "kimi_k3" and engine.kv_cache_dtype.startswith("fp8") and not engine.fp8_prefill_query:

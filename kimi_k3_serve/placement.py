@@ -14,6 +14,7 @@ Pure: no Ray import. Bundle tables come in as plain lists.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -193,7 +194,7 @@ class _TpGroup:
     gpus: tuple[tuple[NodeInfo, GpuInfo], ...]
     order: int
 
-    @property
+    @functools.cached_property
     def nodes(self) -> frozenset[str]:
         return frozenset(node.node_id for node, _ in self.gpus)
 
@@ -244,10 +245,13 @@ def assign_ranks(
         )
     taken: set[int] = set()
     placements: list[RankPlacement] = []
+    first_free = 0  # groups before it are all taken: a wide DP layout does not rescan them for every DP rank
     for dp_rank in range(layout.dp):
         used_nodes: set[str] = set()
         replica: list[_TpGroup] = []
-        for group in groups:
+        while first_free < len(groups) and groups[first_free].order in taken:
+            first_free += 1
+        for group in groups[first_free:]:
             if len(replica) == layout.pp:
                 break
             nodes = group.nodes

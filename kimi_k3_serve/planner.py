@@ -1,15 +1,16 @@
 """The planner: (model inventory, serving target, cluster inventory, pinned choices) -> a checked ``Plan``.
 
 It searches the layouts vLLM 0.32 accepts for the model -- TP (dividing every count the model asserts on,
-inside one NVLink domain), PP (at most one stage per layer), expert parallelism on/off for MoE models, DP when
-pinned, and the PP layer partition (vLLM's default, or uneven ones that move layers off the last stage, which
+inside one NVLink domain), PP (at most one stage per layer), expert parallelism on/off for MoE models, data-
+parallel attention with the experts over the TP x DP ranks for MoE models (``kimi_k3_serve.wide_ep``: DP sizes,
+per-engine KV pools, EPLB; PP = 1 unless pinned), and the PP layer partition (vLLM's default, or uneven ones that move layers off the last stage, which
 also holds lm_head and the draft) -- places every rank on a GPU (``placement.assign_ranks``), decides the
 kernel optimisations for that placement, and checks every GPU with the memory model. The best layout wins by
 the objective; when none fits, ``NoLayoutFitsError`` carries the closest candidates and their shortfalls.
 
 Objectives:
 - ``fewest-nodes`` (default): fits, then the fewest nodes, then the most requests the KV cache holds at
-  ``max_model_len``, then the fewest GPUs. A replica is sized in whole nodes (that is what a cluster scales
+  ``max_model_len`` (over all DP engines, each capped at ``max_num_seqs``), then the fewest GPUs. A replica is sized in whole nodes (that is what a cluster scales
   by); more throughput comes from more replicas, not from ever longer pipelines;
 - ``max-concurrency``: fits, then the most requests the KV cache holds at ``max_model_len`` (counted
   up to ``max_num_seqs``, beyond which vLLM cannot use it), then the fewest GPUs;
@@ -21,7 +22,7 @@ Pure: no torch, vLLM or Ray import.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kimi_k3_serve.cluster import ClusterInventory, NodeInfo, rank_device
@@ -34,6 +35,7 @@ from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.placement import RankPlacement, assign_ranks, placement_group_config, tp_groups
 from kimi_k3_serve.units import fmt_gib
 from kimi_k3_serve.vllm_args import vllm_engine_args
+from kimi_k3_serve.wide_ep import dp_sizes, rationale, search_dp, total_concurrency
 
 OBJECTIVES = ("fewest-nodes", "max-concurrency", "fewest-gpus")
 TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
@@ -75,6 +77,7 @@ class Candidate:
         out: dict[str, Any] = {"layout": layout_json(self.layout), "gpus": self.layout.world_size, "fits": self.fits}
         if self.report is not None:
             out["max_concurrency"] = self.report.max_concurrency
+            out["total_concurrency"] = total_concurrency(self.report, self.report.max_num_seqs or 1024)
             out["shortfall_bytes"] = self.shortfall_bytes
             out["binding_rank"] = self.report.binding_rank
         if self.reason:
@@ -100,6 +103,8 @@ class Plan:
     objective: str
     considered: tuple[Candidate, ...] = field(default=(), repr=False)
     search_seconds: float = 0.0
+    rationale: str = ""
+    """Why this layout: the objective's criterion against the best layout of the other family (TP x PP / DP x EP)."""
 
     @property
     def fits(self) -> bool:
@@ -127,6 +132,8 @@ class Plan:
             "objective": self.objective,
             "layout": layout_json(self.layout),
             "max_concurrency": self.report.max_concurrency,
+            "total_concurrency": total_concurrency(self.report, self.report.max_num_seqs or 1024),
+            "rationale": self.rationale,
             "kv_cache_tokens": self.report.kv_cache_tokens,
             "num_blocks": self.report.num_blocks,
             "optimisations": {item["name"]: item for item in self.optimisations.to_json()},
@@ -238,7 +245,7 @@ def _check_cluster(cluster: ClusterInventory) -> list[NodeInfo]:
 def _usable_concurrency(candidate: Candidate) -> float:
     """Requests the KV cache holds at max_model_len, counted up to the engine's resolved max_num_seqs."""
     report = candidate.report
-    return min(float(report.max_concurrency), float(report.max_num_seqs)) if report is not None else 0.0
+    return total_concurrency(report, report.max_num_seqs) if report is not None else 0.0
 
 
 def _score(candidate: Candidate, objective: str) -> tuple:
@@ -288,10 +295,10 @@ def evaluate(
     for p in placements:
         node = nodes[p.node_id]
         devices.append(rank_device(node, next(g for g in node.gpus if g.index == p.gpu_index)))
-    one_domain = all(
-        len({p.nvlink_domain for p in placements if (p.dp_rank, p.pp_stage) == key}) == 1
-        for key in {(p.dp_rank, p.pp_stage) for p in placements}
-    )
+    domains_of: dict[tuple[int, int], set[str]] = {}
+    for p in placements:
+        domains_of.setdefault((p.dp_rank, p.pp_stage), set()).add(p.nvlink_domain)
+    one_domain = all(len(domains) == 1 for domains in domains_of.values())
     try:
         report, optimisations = memory_on_devices(model, engine, layout, devices, one_domain=one_domain)
     except ConfigError as exc:  # a layout vLLM would refuse (e.g. the draft's TP): not a candidate
@@ -336,17 +343,29 @@ def plan(
 
     tps = [pins.tp] if pins.tp else [tp for tp in legal_tp_sizes(model) if tp <= largest_domain] or [1]
     eps = [pins.ep] if pins.ep is not None else ([False, True] if model.is_moe else [False])
-    dp = pins.dp or 1
     candidates: list[Candidate] = []
     view = _ClusterView(cluster)
     for tp in tps:
         for ep in eps:
-            if pins.pp is not None or pins.layer_partition is not None:
-                pp = pins.pp or len(pins.layer_partition)
-                _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, candidates)
-            else:
-                max_pp = min(model.num_layers, total_gpus // (tp * dp))
-                _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, candidates)
+            # TP x PP (one engine), unless DP is pinned above 1.
+            if (pins.dp or 1) == 1:
+                if pins.pp is not None or pins.layer_partition is not None:
+                    pp = pins.pp or len(pins.layer_partition)
+                    _best_partition(model, engine, view, tp, pp, ep, 1, pins, objective, candidates)
+                else:
+                    max_pp = min(model.num_layers, total_gpus // tp)
+                    _search_pp(model, engine, view, tp, ep, 1, pins, max_pp, objective, candidates)
+            # DP x TP x EP: data-parallel attention, the experts over the TP x DP ranks (kimi_k3_serve.wide_ep).
+            # Unpinned, only with EP: without it FusedMoE TP-shards every expert over all TP x DP ranks.
+            if not ep and pins.dp is None:
+                continue
+            pp = pins.pp or (len(pins.layer_partition) if pins.layer_partition is not None else 1)
+            sizes = dp_sizes(model, tp, total_gpus // pp, pins.dp)
+
+            def at_dp(dp: int, tp: int = tp, ep: bool = ep, pp: int = pp) -> Candidate | None:
+                return _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, candidates)
+
+            search_dp(sizes, at_dp, lambda c: _reaches_goal(c, objective))
     if not candidates:
         raise ConfigError("cluster", cluster.source, f"room for at least one rank of {model.name}")
     best = max(candidates, key=lambda c: _score(c, objective))
@@ -369,7 +388,8 @@ def _reaches_goal(candidate: Candidate, objective: str) -> bool:
     """Whether more stages could still improve this (TP, EP) for the objective."""
     if not candidate.fits:
         return False
-    return objective in ("fewest-gpus", "fewest-nodes") or _usable_concurrency(candidate) >= candidate.report.max_num_seqs
+    return (objective in ("fewest-gpus", "fewest-nodes")
+            or _usable_concurrency(candidate) >= candidate.report.max_num_seqs * candidate.layout.dp)
 
 
 def _search_pp(model, engine, view, tp, ep, dp, pins, max_pp, objective, sink) -> None:
@@ -453,9 +473,12 @@ def _make_plan(model, engine, cluster, best: Candidate, objective, considered, e
         gpu_name=spec.name if spec else first_gpu.name,
         engine_kwargs=vllm.engine_kwargs,
         env_vars=vllm.env_vars,
-        placement_group_config=placement_group_config(layout, spec, gpus_per_node),
+        # Per Serve replica: with DP, Ray Serve LLM's DP builder runs one replica per DP rank (TP x PP bundles each)
+        # and gang-schedules the DP ranks (kimi_k3_serve.dp_serve).
+        placement_group_config=placement_group_config(replace(layout, dp=1), spec, gpus_per_node),
         cluster_source=cluster.source,
         objective=objective,
         considered=considered,
         search_seconds=elapsed,
+        rationale=rationale(best, considered, objective, best.report.max_num_seqs),
     )

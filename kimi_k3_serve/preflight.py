@@ -343,9 +343,14 @@ def check_before_deploy(
     strategy: str = "PACK",
     *,
     snapshot: ClusterSnapshot | None = None,
+    gang_size: int = 1,
 ) -> PreflightResult:
     """Everything that can be known before Serve creates a replica. Raises ``DoesNotFitError`` (with the
-    per-GPU report when there is one) or ``ConfigError``; returns what was checked, in words, otherwise."""
+    per-GPU report when there is one) or ``ConfigError``; returns what was checked, in words, otherwise.
+
+    ``gang_size`` > 1 (data parallelism): Ray Serve LLM gang-schedules that many replicas, one per DP rank, into one
+    placement group of all their bundles with PACK (``DPServer.get_deployment_options``), and the autoscaling
+    bounds count such groups."""
     started = time.perf_counter()
     if snapshot is None:
         import ray
@@ -355,6 +360,8 @@ def check_before_deploy(
         snapshot = cluster_snapshot(with_host_memory=args.accelerator.kind == "cpu")
     lines: list[str] = []
     replicas = replicas_to_place(args)
+    if gang_size > 1:
+        bundles, strategy = list(bundles) * gang_size, "PACK"
     groups = [(list(bundles), strategy)] * replicas
     packed = pack_bundles(groups, snapshot.slots, snapshot.growable)
     need = _sum([b for group, _ in groups for b in group])
@@ -372,7 +379,8 @@ def check_before_deploy(
         )
     where = sorted({node for group in packed.placements for _, node in group})
     added = ", ".join(f"{n} x {t}" for t, n in packed.added.items())
-    lines.append(f"placement: {replicas} replica(s) x {len(bundles)} bundle(s) ({strategy}) can be placed on "
+    lines.append(f"placement: {replicas} {'DP group' if gang_size > 1 else 'replica'}(s) x {len(bundles)} bundle(s) "
+                 f"({strategy}) can be placed on "
                  f"{len(where)} node(s)" + (f", after the autoscaler adds {added}" if added else ""))
     limit = pack_bundles([(list(bundles), strategy)] * args.autoscaling.max_replicas, snapshot.slots, snapshot.growable)
     if not limit.fits:
@@ -466,7 +474,12 @@ def _check_gpu_memory(args: ServeArgs, snapshot: ClusterSnapshot, started: float
             message += "\n" + format_table(report)
         raise DoesNotFitError(message, report=report) from None
     report = report_of_plan(result, time.perf_counter() - started)
-    return result, report, [f"GPU memory: {report.verdict}"]
+    lines = [f"GPU memory: {report.verdict}"]
+    if result.layout.dp > 1:
+        from kimi_k3_serve.dp_replica import dp_placement_lines
+
+        lines.extend(dp_placement_lines(result.layout, result.placements))
+    return result, report, lines
 
 
 def report_of_plan(result: Any, seconds: float, *, notes: Sequence[str] = (), extra: dict | None = None):

@@ -94,7 +94,11 @@ def _probe_bundle(bundle: int, read_gpus: bool) -> dict[str, Any]:
     }
 
 
-def probe_bundles(pg: Any, bundles: Sequence[int], *, gpu: bool, timeout_s: float) -> list[BundleProbe]:
+def probe_bundles(pg: Any, bundles: Sequence[int], *, gpu: bool, timeout_s: float,
+                  read_gpus: bool | None = None) -> list[BundleProbe]:
+    """``gpu``: ask for a sliver of the bundle's GPU (the probe learns which GPU it is). ``read_gpus`` (default: ``gpu``)
+    without ``gpu`` reads the node's GPUs while asking for none: a bundle whose GPU another engine already holds
+    (another DP rank of the gang) is still probed."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -105,7 +109,7 @@ def probe_bundles(pg: Any, bundles: Sequence[int], *, gpu: bool, timeout_s: floa
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index,
                                                                  placement_group_capture_child_tasks=False),
             name=f"kimi_k3_serve.probe_bundle_{index}",
-        ).remote(index, gpu)
+        ).remote(index, gpu if read_gpus is None else read_gpus)
         for index in bundles
     ]
     try:
@@ -451,8 +455,11 @@ class ReplicaPreflight(_callback_base()):
         if pg is None:
             raise ReplicaCheckError("no placement group: the replica-start check needs the one Serve reserved")
         env = dict(((self.ctx.runtime_env or {}).get("env_vars") or {}))
-        result = await asyncio.to_thread(check_replica, self.args, pg, comm_backend=self.comm_backend,
-                                         comm_timeout_s=self.comm_timeout_s, env=env)
+        if self.args.parallel.data_parallel_size > 1:  # one DP rank of a gang: check every rank (dp_replica)
+            result = await self._check_dp_rank(pg, env)
+        else:
+            result = await asyncio.to_thread(check_replica, self.args, pg, comm_backend=self.comm_backend,
+                                             comm_timeout_s=self.comm_timeout_s, env=env)
         if result.bundle_indices is not None:
             value = ",".join(str(i) for i in result.bundle_indices)
             # The engine core (a subprocess of this replica) reads it from the environment; the runtime_env
@@ -464,6 +471,24 @@ class ReplicaPreflight(_callback_base()):
             logger.info("replica check: %s", line)
         logger.info("replica check passed in %.2f s", result.seconds)
         self.result = result
+
+
+    async def _check_dp_rank(self, pg: Any, env: Mapping[str, str]) -> ReplicaCheckResult:
+        """Ray Serve LLM's ``DPServer`` has joined the gang (its rank, rank 0's node in the registry) and set this
+        rank's slice in ``VLLM_RAY_BUNDLE_INDICES``; ``dp_replica.check_dp_replica`` checks every rank's."""
+        from ray import serve
+        from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import GangMasterInfoRegistry
+
+        from kimi_k3_serve.dp_replica import check_dp_replica
+
+        gang = serve.get_replica_context().gang_context
+        if gang is None:
+            raise ReplicaCheckError("data_parallel_size > 1 but this replica has no gang context: deploy it with "
+                                    "Ray Serve LLM's DP builder (kimi_k3_serve.dp_serve)")
+        _, _, driver_node = await GangMasterInfoRegistry.get(gang.gang_id)
+        return await asyncio.to_thread(check_dp_replica, self.args, pg, dp_rank=gang.rank, dp_size=gang.world_size,
+                                       driver_node_id=driver_node, comm_backend=self.comm_backend,
+                                       comm_timeout_s=self.comm_timeout_s, env=env)
 
 
 def replica_callback_config(args: ServeArgs) -> dict[str, Any]:

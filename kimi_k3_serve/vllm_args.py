@@ -59,6 +59,10 @@ def engine_kwargs(layout: Layout, engine: EngineSettings) -> dict[str, Any]:
         kwargs["load_format"] = engine.load_format
     if engine.mamba_ssm_cache_dtype != "auto":
         kwargs["mamba_ssm_cache_dtype"] = engine.mamba_ssm_cache_dtype
+    if engine.num_redundant_experts:
+        kwargs["enable_eplb"] = True
+        kwargs["eplb_config"] = {"num_redundant_experts": engine.num_redundant_experts,
+                                 "window_size": engine.eplb_window_size}
     if engine.moe_backend != "auto":
         kwargs["moe_backend"] = engine.moe_backend
     if engine.language_model_only:

@@ -147,7 +147,7 @@ CONFIG_CASES = [
     Case("partition-wrong-length", "args.parallel.layer_partition", _set("parallel.layer_partition", [93])),
     Case("partition-wrong-sum", "args.parallel.layer_partition", _set("parallel.layer_partition", [50, 50])),
     Case("partition-zero-stage", "args.parallel.layer_partition", _set("parallel.layer_partition", [93, 0])),
-    Case("dp-not-one", "args.parallel.data_parallel_size", _set("parallel.data_parallel_size", 2)),
+    Case("dp-zero", "args.parallel.data_parallel_size", _set("parallel.data_parallel_size", 0)),
     # limits
     Case("max-model-len-zero", "args.limits.max_model_len", _set("limits.max_model_len", 0)),
     Case("max-model-len-negative", "args.limits.max_model_len", _set("limits.max_model_len", -1)),
@@ -393,7 +393,7 @@ def test_cli_process_exits_2_without_traceback(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["tp-zero", "max-model-len-negative", "typo-in-limits", "literal-api-key",
-                                  "dp-not-one", "model-folder-absent"])
+                                  "dp-zero", "model-folder-absent"])
 def test_build_app_refuses_before_deploying(name):
     import ray
 

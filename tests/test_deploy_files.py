@@ -42,6 +42,8 @@ EXPECTED_CLUSTER_FILES = {
     "fake-h200.yaml": ("deploy/config.yaml", "fake"),
     "aws-b200-p6.yaml": ("deploy/config-b200.yaml", "launcher-aws"),
     "kuberay-gb300-nvl72.yaml": ("deploy/config-gb300-nvl72.yaml", "kuberay"),
+    "aws-h200-p5en-wide-ep.yaml": ("deploy/config-wide-ep.yaml", "launcher-aws"),
+    "kuberay-gb300-nvl72-wide-ep.yaml": ("deploy/config-gb300-nvl72-wide-ep.yaml", "kuberay"),
 }
 
 
@@ -80,8 +82,9 @@ def replica_plans():
 # --- Serve configs ----------------------------------------------------------------------------------------------
 
 
-def test_the_three_deploy_configs_ship():
-    assert {p.name for p in DEPLOY_CONFIGS} == {"config.yaml", "config-b200.yaml", "config-gb300-nvl72.yaml"}
+def test_the_deploy_configs_ship():
+    assert {p.name for p in DEPLOY_CONFIGS} == {"config.yaml", "config-b200.yaml", "config-gb300-nvl72.yaml",
+                                                "config-wide-ep.yaml", "config-gb300-nvl72-wide-ep.yaml"}
 
 
 @pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))

@@ -166,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
         snapshot = _live_snapshot(args.address, serve_args)
     bundles, strategy = serve_llm_bundles(serve_args)
     try:
-        result = check_before_deploy(serve_args, bundles, strategy, snapshot=snapshot)
+        # With DP, Ray Serve LLM's DPServer gang-schedules one such replica per DP rank (kimi_k3_serve.dp_serve).
+        result = check_before_deploy(serve_args, bundles, strategy, snapshot=snapshot,
+                                     gang_size=serve_args.parallel.data_parallel_size)
     except DoesNotFitError as exc:
         report = exc.report
         message = str(exc).split("\n", 1)[0]

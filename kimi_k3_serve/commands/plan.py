@@ -226,8 +226,11 @@ def _print_plan(result) -> None:
     print("engine_kwargs: " + json.dumps(data["engine_kwargs"]))
     print("env_vars: " + json.dumps(data["env_vars"]))
     pg = data["placement_group_config"]
-    print(f"placement_group_config: {len(pg['bundles'])} x {json.dumps(pg['bundles'][0])}, strategy {pg['strategy']}")
+    print(f"placement_group_config: {len(pg['bundles'])} x {json.dumps(pg['bundles'][0])}, strategy {pg['strategy']}"
+          + (f" (per Serve replica = DP rank; {result.layout.dp} gang-scheduled)" if result.layout.dp > 1 else ""))
     print(f"searched {len(result.considered)} layouts in {result.search_seconds:.3f} s")
+    if result.rationale:
+        print(f"why: {result.rationale}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Examples:
   kimi-k3-serve rehearse --config deploy/gpu-rehearsal.yaml            # a deploy config's engine, dummy weights
   kimi-k3-serve rehearse --config deploy/config.yaml --layers 4 --tp 1 --pp 1   # Kimi-K3's architecture on 1 GPU
   kimi-k3-serve rehearse --model kimi-k3 --layers 4 --tp 2 --max-model-len 8192 --json
+  kimi-k3-serve rehearse --model kimi-k3 --layers 4 --dp 2 --enable-expert-parallel   # DP2 x EP2 on 2 GPUs
   kimi-k3-serve rehearse --config deploy/config.yaml --dry-run          # what would start, no GPU needed
 
 The engine kwargs and env are the ones the application builder deploys (``args_adapter.vllm_engine_args_of``,
@@ -45,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="without --config: kimi-k3, a config.json or a checkpoint folder")
     parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (overrides --config)")
     parser.add_argument("--pp", type=positive_int, default=None, help="pipeline parallel size (overrides --config)")
+    parser.add_argument("--dp", type=positive_int, default=None,
+                        help="data parallel size (overrides --config): one engine per DP rank, on TP x PP GPUs each")
+    parser.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="split the experts over the TP x DP ranks (overrides --config)")
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="overrides --config (default without it: 4096)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
@@ -89,6 +94,10 @@ def serve_args_of(ns: argparse.Namespace) -> ServeArgs:
     parallel = raw.setdefault("parallel", {})
     if ns.tp is not None:
         parallel["tensor_parallel_size"] = ns.tp
+    if getattr(ns, "dp", None) is not None:
+        parallel["data_parallel_size"] = ns.dp
+    if getattr(ns, "enable_expert_parallel", None) is not None:
+        parallel["enable_expert_parallel"] = ns.enable_expert_parallel
     if ns.pp is not None:
         parallel["pipeline_parallel_size"] = ns.pp
         if parallel.get("layer_partition") and len(parallel["layer_partition"]) != ns.pp:

@@ -124,13 +124,17 @@ class TensorSpec:
         if self.sharding == EXPERT:
             if ep:
                 count = cdiv(count, ep_size)
-            elif self.expert_dim is not None and tp > 1:
+            elif self.expert_dim is not None and max(tp, ep_size) > 1:
+                # Without EP, FusedMoE TP-shards the intermediate over every TP x DP rank (vLLM 0.32
+                # fused_moe/config.py flatten_tp_across_dp_and_pcp); callers pass that group as ep_size.
+                moe_tp = max(tp, ep_size)
                 dim = self.expert_dim
                 inter = shape[dim] * self.inter_div // self.inter_mult
-                local_inter = cdiv(inter, tp)
-                if local_inter < expert_min_per_rank:
-                    # Kimi-K3 KimiMoE: pad the intermediate to expert_min_per_rank * tp before sharding.
-                    local_inter = expert_min_per_rank
+                if tp > 1 and inter // tp < expert_min_per_rank:
+                    # Kimi-K3 KimiMoE: pad the intermediate to expert_min_per_rank * (attention) TP before
+                    # FusedMoE shards it (vllm/models/kimi_k3/nvidia/model.py padded_moe_intermediate_size).
+                    inter = expert_min_per_rank * tp
+                local_inter = cdiv(inter, moe_tp)
                 shape[dim] = cdiv(local_inter * self.inter_mult, self.inter_div)
         elif self.sharding == REPLICATED or tp == 1 or (sp and self.replicated_under_sp):
             pass

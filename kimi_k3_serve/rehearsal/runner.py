@@ -21,7 +21,8 @@ GENERATED_MARKER = "KIMI_K3_REHEARSAL_GENERATED"
 FAILED_MARKER = "KIMI_K3_REHEARSAL_FAILED"
 
 
-def run(spec: dict) -> int:
+def run(spec: dict, marker_suffix: str = "") -> int:
+    """One engine. ``marker_suffix`` tells a DP rank's markers apart (``_DP1``...; rank 0 prints the plain ones)."""
     from vllm import LLM, SamplingParams
 
     kwargs = dict(spec["engine_kwargs"])
@@ -38,7 +39,7 @@ def run(spec: dict) -> int:
         "enable_prefix_caching": config.cache_config.enable_prefix_caching,
         "architecture": (config.model_config.architectures or [None])[0],
     }
-    print(f"{ENGINE_MARKER} {json.dumps(engine)}", flush=True)
+    print(f"{ENGINE_MARKER}{marker_suffix} {json.dumps(engine)}", flush=True)
     vocab = config.model_config.get_vocab_size()
     num = int(spec.get("requests", 4))
     prompt_len = int(spec.get("prompt_tokens", 64))
@@ -46,13 +47,17 @@ def run(spec: dict) -> int:
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 16)), temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"{GENERATED_MARKER} {json.dumps({'requests': len(outputs), 'tokens': tokens})}", flush=True)
+    print(f"{GENERATED_MARKER}{marker_suffix} {json.dumps({'requests': len(outputs), 'tokens': tokens})}", flush=True)
     return 0
 
 
 def main(argv: list[str]) -> int:
     with open(argv[1]) as f:
         spec = json.load(f)
+    if int(spec["engine_kwargs"].get("data_parallel_size", 1)) > 1:  # vllm.LLM refuses DP: one process per rank
+        from kimi_k3_serve.rehearsal.dp_runner import run_dp
+
+        return run_dp(spec)
     try:
         return run(spec)
     except BaseException as exc:  # the parent reads the step and the message; the traceback stays in the log

@@ -38,14 +38,20 @@ class Job:
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 
-def kimi(name: str, layers: int, *, tp: int = 1, pp: int = 1, tokens: int = 2048, seqs: int = 256, util: float = 0.92,
-         draft: str | None = DSPARK, kv: str = "auto", max_len: int = 8192, expected_s: float = 150, extra=()) -> Job:
+def kimi(name: str, layers: int, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = False, tokens: int = 2048,
+         seqs: int = 256, util: float = 0.92, draft: str | None = DSPARK, kv: str = "auto", max_len: int = 8192,
+         expected_s: float = 150, extra=()) -> Job:
     kimi_kwargs = ["--engine-kwargs", json.dumps({**KIMI_ENGINE, **({"attention_config": {"use_prefill_query_quantization": True}}
                                                                    if kv.startswith("fp8") else {})})]
-    args = ["--model", "moonshotai/Kimi-K3", *kimi_kwargs, "--layers", str(layers), "--tp", str(tp), "--pp", str(pp), "--max-num-batched-tokens", str(tokens),
+    args = ["--model", "moonshotai/Kimi-K3", *kimi_kwargs, "--layers", str(layers), "--tp", str(tp), "--pp", str(pp),
+            "--max-num-batched-tokens", str(tokens),
             "--max-num-seqs", str(seqs), "--gpu-memory-utilization", str(util), "--kv-cache-dtype", kv,
             "--max-model-len", str(max_len), "--speculative-config", draft or "none", *extra]
-    return Job(name, tp * pp, expected_s, tuple(args), ("kimi",))
+    if dp > 1:
+        args += ["--dp", str(dp)]
+    if ep:
+        args += ["--enable-expert-parallel"]
+    return Job(name, tp * pp * dp, expected_s, tuple(args), ("kimi",))
 
 
 def other(name: str, config: str, *, tokens: int = 2048, seqs: int = 256, util: float = 0.92, expected_s: float = 120) -> Job:
@@ -78,6 +84,9 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-pp2-serve-defaults-dspark", 4, pp=2, expected_s=300),
         kimi("k8-tp2-b8192-s1024-u092-eagle3", 8, tp=2, tokens=8192, seqs=1024, draft=EAGLE3, expected_s=300),
         kimi("k8-pp2-b2048-s256-u080-fp8kv", 8, pp=2, util=0.80, kv="fp8", expected_s=300),
+        # Data-parallel attention with the experts over both GPUs (DP2 x EP2): one engine per GPU, each with the
+        # whole attention, its own KV cache and KDA states, and 448 of a layer's 896 experts.
+        kimi("k4-dp2-ep2-serve-defaults-dspark", 4, dp=2, ep=True, expected_s=360),
     ],
 }
 
