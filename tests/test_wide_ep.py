@@ -12,12 +12,13 @@ from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice
 from kimi_k3_serve.memory import estimate_memory
 from kimi_k3_serve.models import load_model
-from kimi_k3_serve.planner import Pins, engine_kwargs, plan
+from kimi_k3_serve.planner import Pins, plan
+from kimi_k3_serve.vllm_args import engine_kwargs
 from kimi_k3_serve.units import GiB
 from kimi_k3_serve.wide_ep import check_eplb, eplb_costs, expert_split, total_concurrency
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
-TARGET = EngineSettings(max_model_len=32768)
+TARGET = EngineSettings(max_model_len=32768, max_num_seqs=128)  # set: an unset 1,024 exceeds a DP engine's blocks
 H200 = RankDevice(total_bytes=int(143.8 * GiB), compute_capability=(9, 0), name="NVIDIA H200")
 
 
