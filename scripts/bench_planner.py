@@ -7,7 +7,7 @@ cluster size.
 
 Three measurements:
 - cold processes: ``kimi-k3-serve check`` on the shipped H200 cluster file, ``kimi-k3-serve plan`` and
-  ``python -c "import kimi_k3_serve.planner"``, each started afresh several times (median, min, max);
+  ``python -c "import kimi_k3_serve.planning.planner"``, each started afresh several times (median, min, max);
 - import costs: ``python -X importtime`` of a statement, the heaviest modules by cumulative time, and whether
   anything heavy (Ray, vLLM, torch, pydantic, yaml) was pulled in;
 - planner scaling: ``plan()`` of Kimi-K3 on declared clusters of 1 to 1,024 nodes of 8 H200, in process, for
@@ -67,10 +67,10 @@ def planner_scaling(
     repeats: int = 5,
 ) -> list[ScalingRow]:
     """One row per (objective, node count): Kimi-K3 planned on ``nodes`` declared nodes of ``gpu``."""
-    from kimi_k3_serve.cluster import declared_cluster
-    from kimi_k3_serve.layout import EngineSettings
+    from kimi_k3_serve.planning.inventory import declared_cluster
+    from kimi_k3_serve.planning.layout import EngineSettings
     from kimi_k3_serve.models import load_model
-    from kimi_k3_serve.planner import OBJECTIVES, NoLayoutFitsError, plan
+    from kimi_k3_serve.planning.planner import OBJECTIVES, NoLayoutFitsError, plan
 
     model = load_model("kimi-k3")
     engine = EngineSettings(max_model_len=max_model_len)
@@ -111,7 +111,7 @@ def planner_scaling(
 
 def _count_evaluations(model, engine, cluster, objective: str) -> int:
     """Layouts a failing plan() evaluated: counted by wrapping the planner's ``evaluate`` for one more run."""
-    import kimi_k3_serve.planner as planner
+    import kimi_k3_serve.planning.planner as planner
 
     original = planner.evaluate
     calls = 0
@@ -179,7 +179,7 @@ def default_cold_commands() -> dict[str, list[str]]:
         "check (H200 cluster file)": [*cli, "check", "--config", CHECK_CONFIG, "--cluster", CHECK_CLUSTER],
         "plan --gpu H200 --nodes 2": [*cli, "plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2",
                                       "--max-model-len", "32768"],
-        "import kimi_k3_serve.planner": [python, "-c", "import kimi_k3_serve.planner"],
+        "import kimi_k3_serve.planning.planner": [python, "-c", "import kimi_k3_serve.planning.planner"],
         "import ray.serve.schema": [python, "-c", "import ray.serve.schema"],
         "python (empty)": [python, "-c", "pass"],
     }
@@ -197,7 +197,7 @@ def check_breakdown(*, cwd: Path = REPO_ROOT) -> dict[str, Any]:
     of Ray Serve's schema, Ray is not imported), and with that shortcut off, as for a config that uses a field
     the snapshot does not cover (``ray.serve.schema`` is imported and decides)."""
     result: dict[str, Any] = {}
-    for label, prelude in (("shortcut", ""), ("ray_schema", "import kimi_k3_serve.serve_schema as s; "
+    for label, prelude in (("shortcut", ""), ("ray_schema", "import kimi_k3_serve.config.serve_schema as s; "
                                                              "s.accepts_without_ray = lambda document: False\n")):
         script = (
             "import json, sys, time; t0 = time.perf_counter()\n"
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ncheck in one process, {words}: {run['seconds']:.3f} s, Ray imported: {run['ray_imported']} "
                   f"(exit {run['exit_code']})", end="")
         print()
-        imports = [import_costs(s) for s in ("import kimi_k3_serve.planner",
+        imports = [import_costs(s) for s in ("import kimi_k3_serve.planning.planner",
                                              "import kimi_k3_serve.cli; kimi_k3_serve.cli.build_parser()",
                                              CHECK_STATEMENT)]
         report["imports"] = [asdict(i) for i in imports]

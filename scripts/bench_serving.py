@@ -164,9 +164,9 @@ class Engine:
 def engine_from_config(config: Path, tensor_parallel_size: int | None = None) -> Engine:
     """The deploy config's engine, as our builder hands it to Ray Serve LLM; ``tensor_parallel_size`` replaces
     the config's ``args.parallel.tensor_parallel_size`` (for every side alike)."""
-    from kimi_k3_serve.args import load_args, with_resolved_sources
-    from kimi_k3_serve.args_adapter import vllm_engine_args_of
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.config.args import load_args, with_resolved_sources
+    from kimi_k3_serve.config.args_adapter import vllm_engine_args_of
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     declared = load_serve_app(config)
     raw_args = declared.raw_args
@@ -302,7 +302,7 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         from kimi_k3_serve.app import build_app, llm_config_of
-        from kimi_k3_serve.args import load_args
+        from kimi_k3_serve.config.args import load_args
 
         raw_args = side_args(engine_from_config(config, tensor_parallel_size).raw_args, side, api_key_file)
         if side == "direct":
@@ -1155,7 +1155,7 @@ def make_preset_model(preset: dict[str, Any]) -> None:
         return
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     import make_kimi_slice
-    from kimi_k3_serve.args import model_cache_dir
+    from kimi_k3_serve.config.args import model_cache_dir
 
     name, config = preset["make_model"]
     if not (model_cache_dir() / name / "tokenizer.json").is_file():

@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     options = parser.parse_args(argv)
 
-    from kimi_k3_serve.cluster import declared_cluster
-    from kimi_k3_serve.layout import EngineSettings
+    from kimi_k3_serve.planning.inventory import declared_cluster
+    from kimi_k3_serve.planning.layout import EngineSettings
     from kimi_k3_serve.models import load_model
-    from kimi_k3_serve.planner import OBJECTIVES, Pins, plan
+    from kimi_k3_serve.planning.planner import OBJECTIVES, Pins, plan
 
     model = load_model("kimi-k3")
     engine = EngineSettings(max_model_len=options.max_model_len)

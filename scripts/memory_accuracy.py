@@ -41,7 +41,7 @@ FIT_RUNS = {
     "k4-tp1-llm-defaults-b16384-s1024": "sampler copies, TP1 non-torch",
     "llama-3.1-8b-tp1": "default per-graph CUDA-graph cost",
 }
-"""Runs whose numbers set a fitted constant of kimi_k3_serve.memory, and which constant."""
+"""Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark"}
 """A repeat of another run's settings (the first engine start of the host, kernels still being built)."""
 SERVE_RUNS = {
@@ -105,7 +105,7 @@ def predict_run(run_dir: Path):
     """(memory report, vLLM reading) of one recorded run, predicted with today's model on the run's GPU."""
     from kimi_k3_serve.cli import build_parser
     from kimi_k3_serve.commands import rehearse
-    from kimi_k3_serve.layout import RankDevice
+    from kimi_k3_serve.planning.layout import RankDevice
     from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 
     reading = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"))

@@ -193,7 +193,7 @@ class LocalDeployment:
         make_tiny_models.ensure_tiny_models(cache)
 
         from kimi_k3_serve.app import build_app
-        from kimi_k3_serve.serve_config import load_serve_app
+        from kimi_k3_serve.config.serve_config import load_serve_app
 
         raw_args = load_serve_app(self.config).raw_args
         ray.init(num_cpus=8, include_dashboard=False, _temp_dir=self.temp_dir, log_to_driver=False)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         parser.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}), got {args.url}")
 
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     model = args.model or load_serve_app(args.config).args.model.id
 

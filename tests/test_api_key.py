@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from conftest import REPO_ROOT, http_json
-from kimi_k3_serve.args import load_args
+from kimi_k3_serve.config.args import load_args
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.config.serve_config import load_serve_app
 
 DEV = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml")
 MODEL = DEV.args.model.id
@@ -29,7 +29,7 @@ MINIMAL = {"model": {"id": "m", "source": "org/m"}, "limits": {"max_model_len": 
 
 
 def test_key_precedence_file_then_file_env_then_env(tmp_path):
-    from kimi_k3_serve.ingress import load_api_key
+    from kimi_k3_serve.serving.ingress import load_api_key
 
     args_file, env_file = tmp_path / "args.key", tmp_path / "env.key"
     args_file.write_text("from-args-file\n")
@@ -43,7 +43,7 @@ def test_key_precedence_file_then_file_env_then_env(tmp_path):
 
 @pytest.mark.parametrize("content", ["", "  \n", "two words", "caf\u00e9"])
 def test_bad_key_file_names_the_field_and_never_echoes_the_content(tmp_path, content):
-    from kimi_k3_serve.ingress import load_api_key
+    from kimi_k3_serve.serving.ingress import load_api_key
 
     path = tmp_path / "key"
     path.write_text(content, encoding="utf-8")
@@ -55,7 +55,7 @@ def test_bad_key_file_names_the_field_and_never_echoes_the_content(tmp_path, con
 
 
 def test_unreadable_key_file_is_a_config_error(tmp_path):
-    from kimi_k3_serve.ingress import load_api_key
+    from kimi_k3_serve.serving.ingress import load_api_key
 
     with pytest.raises(ConfigError, match="args.security.api_key_file.*readable file"):
         load_api_key(str(tmp_path / "missing.key"), {})
@@ -86,7 +86,7 @@ def test_a_literal_key_in_the_config_is_refused_without_echoing_it(extra, field)
 
 
 def test_required_key_with_none_configured_stops_the_ingress(tmp_path):
-    from kimi_k3_serve.ingress import API_KEY_ENV, ingress_api_key
+    from kimi_k3_serve.serving.ingress import API_KEY_ENV, ingress_api_key
 
     with pytest.raises(ConfigError) as info:
         ingress_api_key(None, True, environ={})
@@ -111,7 +111,7 @@ def guarded_client():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from kimi_k3_serve.ingress import ApiKeyMiddleware, _digest
+    from kimi_k3_serve.serving.ingress import ApiKeyMiddleware, _digest
 
     app = FastAPI()
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
-from kimi_k3_serve.args import OWNED_ENGINE_KWARGS, ServeArgs, load_args, resolve_source
+from kimi_k3_serve.config.args import OWNED_ENGINE_KWARGS, ServeArgs, load_args, resolve_source
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.serve_config import load_serve_app, read_serve_config
+from kimi_k3_serve.config.serve_config import load_serve_app, read_serve_config
 
 MINIMAL = {"model": {"id": "m", "source": "org/model"}, "limits": {"max_model_len": 4096}}
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from conftest import REPO_ROOT, http_json
-from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.config.serve_config import load_serve_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 

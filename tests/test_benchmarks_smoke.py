@@ -50,13 +50,13 @@ def test_plot_is_written(bench_planner, tmp_path):
 
 
 def test_import_costs_of_the_planner(bench_planner):
-    cost = bench_planner.import_costs("import kimi_k3_serve.planner")
+    cost = bench_planner.import_costs("import kimi_k3_serve.planning.planner")
     names = [name for name, _ in cost.top]
-    assert names[0] == "kimi_k3_serve.planner"  # the statement's own module is the largest cumulative entry
+    assert names[0] == "kimi_k3_serve.planning.planner"  # the statement's own module is the largest cumulative entry
     assert cost.total_seconds > 0
     # The planner core stays pure: none of the heavy packages is imported on its path.
     assert cost.heavy == ()
-    print(f"import kimi_k3_serve.planner: {cost.total_seconds:.3f} s (-X importtime)")
+    print(f"import kimi_k3_serve.planning.planner: {cost.total_seconds:.3f} s (-X importtime)")
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ def bench_serving():
 
 def test_serving_sides_build_valid_args(bench_serving):
     from kimi_k3_serve.app import experimental_configs
-    from kimi_k3_serve.args import load_args
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.config.args import load_args
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
     assert bench_serving.side_args(raw, "serve") is raw
@@ -92,9 +92,9 @@ def test_serving_sides_build_valid_args(bench_serving):
 def test_the_key_side_runs_the_builder_with_the_key_it_sends(bench_serving, tmp_path):
     """``serve+key``: the builder's own schema takes the key file, the ingress would load the very key the client
     sends, and every other setting is the plain ``serve`` side's."""
-    from kimi_k3_serve.args import load_args
-    from kimi_k3_serve.ingress import load_api_key
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.config.args import load_args
+    from kimi_k3_serve.serving.ingress import load_api_key
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
     key_file = bench_serving.write_api_key(tmp_path)
@@ -307,9 +307,9 @@ def test_profile_summary_tells_whose_code_ran(bench_serving, tmp_path):
     site = "/venv/lib/python3.12/site-packages"
     raw = tmp_path / "serve-ingress-1.txt"
     raw.write_text("\n".join([
-        f"run (asyncio/events.py:80);_process_llm_request ({site}/kimi_k3_serve/ingress.py:160);"
+        f"run (asyncio/events.py:80);_process_llm_request ({site}/kimi_k3_serve/serving/ingress.py:160);"
         f"chat ({site}/ray/llm/_internal/serve/core/ingress/ingress.py:400);dumps ({site}/pydantic/main.py:1) 6",
-        f"run (asyncio/events.py:80);stream ({site}/kimi_k3_serve/streaming.py:40) 2",
+        f"run (asyncio/events.py:80);stream ({site}/kimi_k3_serve/serving/streaming.py:40) 2",
         f"_run_once (/usr/lib/python3.12/asyncio/base_events.py:1900);select (/usr/lib/python3.12/selectors.py:468) 2",
         "garbage line",
     ]) + "\n")
@@ -318,5 +318,5 @@ def test_profile_summary_tells_whose_code_ran(bench_serving, tmp_path):
     assert dict(summary["by_owner"]) == {"pydantic": 0.6, "ours": 0.2, "asyncio and the event loop": 0.2}
     assert summary["ours_on_stack"] == 0.8
     assert summary["top_self"][0] == ("dumps (pydantic/main.py:1)", 0.6)
-    assert dict(summary["top_ours_inclusive"]) == {"_process_llm_request (kimi_k3_serve/ingress.py)": 0.6,
-                                                   "stream (kimi_k3_serve/streaming.py)": 0.2}
+    assert dict(summary["top_ours_inclusive"]) == {"_process_llm_request (kimi_k3_serve/serving/ingress.py)": 0.6,
+                                                   "stream (kimi_k3_serve/serving/streaming.py)": 0.2}

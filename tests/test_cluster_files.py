@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kimi_k3_serve.cluster import declared_cluster, load_cluster_file, parse_cluster_document
+from kimi_k3_serve.cluster.files import load_cluster_file, parse_cluster_document
+from kimi_k3_serve.planning.inventory import declared_cluster
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import CATALOGUE, lookup_gpu, lookup_instance
+from kimi_k3_serve.planning.hardware import CATALOGUE, lookup_gpu, lookup_instance
 
 CLUSTERS = Path(__file__).parent / "fixtures" / "clusters"
 H200 = lookup_gpu("H200")

@@ -25,10 +25,10 @@ import pytest
 import yaml
 
 from kimi_k3_serve.cli import main
-from kimi_k3_serve.cluster import load_cluster_file
-from kimi_k3_serve.args_adapter import planner_inputs
-from kimi_k3_serve.planner import plan
-from kimi_k3_serve.serve_config import load_serve_app, read_serve_config
+from kimi_k3_serve.cluster.files import load_cluster_file
+from kimi_k3_serve.config.args_adapter import planner_inputs
+from kimi_k3_serve.planning.planner import plan
+from kimi_k3_serve.config.serve_config import load_serve_app, read_serve_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY_CONFIGS = sorted((REPO / "deploy").glob("config*.yaml"))
@@ -70,7 +70,7 @@ def _cluster_files_of(config: Path) -> list[Path]:
 def replica_plans():
     """The planner's verdict for each deploy config's own layout, on one replica's nodes (declared)."""
     from kimi_k3_serve.commands.render import plan_replica
-    from kimi_k3_serve.hardware import lookup_gpu
+    from kimi_k3_serve.planning.hardware import lookup_gpu
 
     plans = {}
     for config in DEPLOY_CONFIGS:
@@ -210,7 +210,7 @@ def _ray_schema() -> dict:
 def _expected_worker(cluster_file: Path) -> tuple[int, int, dict[str, float]]:
     """(min workers, max workers, custom resources per bundle) the deploy config and its plan call for."""
     from kimi_k3_serve.commands.render import plan_replica
-    from kimi_k3_serve.render import bundle_custom_resources
+    from kimi_k3_serve.clusterfiles.render import bundle_custom_resources
 
     words = _render_command(cluster_file)
     args = load_serve_app(REPO / _option(words, "--config")).args

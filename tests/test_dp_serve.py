@@ -28,7 +28,7 @@ WIDE_EP_CLUSTER = REPO / "cluster_configs" / "aws-h200-p5en-wide-ep.yaml"
 def _wide_ep_args_on_tiny(tiny_models) -> dict:
     """deploy/config-wide-ep.yaml's args with the tiny Llama as the weights' folder (Ray Serve LLM builds the
     engine arguments from it offline) and no draft."""
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     raw = load_serve_app(WIDE_EP).args.model_dump(mode="json")
     raw["model"]["source"] = "cache:tiny-llama"
@@ -41,11 +41,11 @@ def test_build_app_deploys_dp_through_ray_serve_llms_dp_builder(ray_head, tiny_m
     from ray.serve.llm.deployment import DPServer as ServeDPServer
 
     from kimi_k3_serve import app
-    from kimi_k3_serve.args import load_args
-    from kimi_k3_serve.cluster import load_cluster_file
+    from kimi_k3_serve.config.args import load_args
+    from kimi_k3_serve.cluster.files import load_cluster_file
     from kimi_k3_serve.commands.render import deploy_pins, engine_settings, load_deploy_config, model_inventory
     from kimi_k3_serve.errors import DoesNotFitError
-    from kimi_k3_serve.planner import plan
+    from kimi_k3_serve.planning.planner import plan
 
     raw = _wide_ep_args_on_tiny(tiny_models)
     # The build-time check packs the whole gang (8 DP ranks x 4 bundles, PACK) on the connected cluster: the local
@@ -87,7 +87,7 @@ def test_build_app_deploys_dp_through_ray_serve_llms_dp_builder(ray_head, tiny_m
 
 
 def test_cpu_refuses_dp_with_the_reason():
-    from kimi_k3_serve.args import load_args
+    from kimi_k3_serve.config.args import load_args
 
     raw = {"model": {"id": "m", "source": "/nonexistent"}, "accelerator": {"kind": "cpu"},
            "parallel": {"data_parallel_size": 2}, "limits": {"max_model_len": 512}}
@@ -101,8 +101,8 @@ def test_dp_rank_slices_are_dpservers():
     from ray.llm._internal.serve.utils.pg_utils import _sort_bundle_indices_by_node
     from ray.serve.llm.deployment import DPServer
 
-    from kimi_k3_serve.dp_replica import dp_rank_slices, order_dp_ranks
-    from kimi_k3_serve.layout import Layout
+    from kimi_k3_serve.checks.dp_replica import dp_rank_slices, order_dp_ranks
+    from kimi_k3_serve.planning.layout import Layout
 
     table = {0: "n0", 1: "n1", 2: "n0", 3: "n1"}
     slices = dp_rank_slices(_sort_bundle_indices_by_node(table, "n0"), 2, 2, DPServer._compute_bundle_indices)
@@ -112,15 +112,15 @@ def test_dp_rank_slices_are_dpservers():
 
 
 def test_a_dp_rank_whose_tp_group_would_cross_domains_is_refused_by_rank():
-    from kimi_k3_serve.dp_replica import order_dp_ranks
-    from kimi_k3_serve.layout import Layout
-    from kimi_k3_serve.placement import PlacementError
+    from kimi_k3_serve.checks.dp_replica import order_dp_ranks
+    from kimi_k3_serve.planning.layout import Layout
+    from kimi_k3_serve.planning.placement import PlacementError
 
     table = {0: "n0", 1: "n1", 2: "n0", 3: "n1"}
     with pytest.raises(PlacementError, match="DP rank 0"):
         order_dp_ranks(Layout(tp=2, dp=2, ep=True), [[0, 1], [2, 3]], table, {}, {})
     # One NVLink domain over both nodes (NVL72 trays): the same slices are fine, and the lines say they share it.
-    from kimi_k3_serve.dp_replica import describe_dp_ranks
+    from kimi_k3_serve.checks.dp_replica import describe_dp_ranks
 
     ranks = order_dp_ranks(Layout(tp=2, dp=2, ep=True), [[0, 1], [2, 3]], table, {"n0": "nvl72", "n1": "nvl72"}, {})
     text = "\n".join(describe_dp_ranks(ranks))
@@ -198,8 +198,8 @@ def test_other_dp_ranks_bundles_are_read_without_their_gpu():
     import copy
     import json
 
-    from kimi_k3_serve.dp_replica import tightest_gpu_by_bundle
-    from kimi_k3_serve.replica import BundleProbe
+    from kimi_k3_serve.checks.dp_replica import tightest_gpu_by_bundle
+    from kimi_k3_serve.checks.replica import BundleProbe
 
     reading = json.loads((REPO / "tests" / "fixtures" / "nvml" / "h200-2026-11-29.json").read_text())["nvml_before_cuda_init"]
     two = copy.deepcopy(reading)

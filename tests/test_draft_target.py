@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kimi_k3_serve.args import load_args
-from kimi_k3_serve.draft_target import EAGLE3_FAMILY, decide_draft_target, gather_target_class
+from kimi_k3_serve.config.args import load_args
+from kimi_k3_serve.checks.draft_target import EAGLE3_FAMILY, decide_draft_target, gather_target_class
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
@@ -110,7 +110,7 @@ def test_vllm_missing_is_said_and_skipped(tmp_path):
 
     folder = model_dir(tmp_path, "llama", CONFIGS / "llama-3.1-8b.json")
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from kimi_k3_serve.draft_target import gather_target_class\n"
+            "from kimi_k3_serve.checks.draft_target import gather_target_class\n"
             f"t = gather_target_class({str(folder)!r}); print(t.supports, t.reason)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -118,7 +118,7 @@ def test_vllm_missing_is_said_and_skipped(tmp_path):
 
 
 def test_replica_check_line_for_a_draft(tmp_path):
-    from kimi_k3_serve.replica import check_draft_target
+    from kimi_k3_serve.checks.replica import check_draft_target
 
     args = load_args({
         "model": {"id": "llama", "source": str(model_dir(tmp_path, "llama", CONFIGS / "llama-3.1-8b.json"))},

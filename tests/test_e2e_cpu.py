@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO_ROOT, http_json
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
-from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.config.serve_config import load_serve_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 

@@ -1,7 +1,7 @@
 """Faults on the served CPU dev app: the engine killed mid-stream, the engine hung, a node's raylet killed.
 
 Each test prints its timings. Health checks run every 2 s with a 20 s timeout here, so the engine probe of
-``kimi_k3_serve.health`` gives up after 10 s and Serve acts after 3 failures in a row: a hang is noticed within
+``kimi_k3_serve.serving.health`` gives up after 10 s and Serve acts after 3 failures in a row: a hang is noticed within
 ``hang_detection_bound_s(2, 20)`` = 36 s, plus the controller's own slack.
 
 The first two tests share one single-node Ray head; the raylet test builds a three-node
@@ -32,8 +32,8 @@ from conftest import (
     load_script,
     wait_for_app,
 )
-from kimi_k3_serve.health import hang_detection_bound_s
-from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.serving.health import hang_detection_bound_s
+from kimi_k3_serve.config.serve_config import load_serve_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow]
 

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO_ROOT
-from kimi_k3_serve.args import load_args
-from kimi_k3_serve.cluster import load_cluster_file, parse_cluster_document
+from kimi_k3_serve.config.args import load_args
+from kimi_k3_serve.cluster.files import load_cluster_file, parse_cluster_document
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.config.serve_config import load_serve_app
 
 GOOD_ARGS = [
     yaml.safe_load((REPO_ROOT / "deploy" / name).read_text())["applications"][0]["args"]

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _gpu_count() -> tuple[int, str]:
-    from kimi_k3_serve.nvml import local_gpus
+    from kimi_k3_serve.cluster.nvml import local_gpus
 
     gpus, reason, _ = local_gpus()
     return len(gpus), reason or ""
@@ -268,7 +268,7 @@ def _comm_test_on(cluster) -> str:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from kimi_k3_serve.replica import comm_smoke_test
+    from kimi_k3_serve.checks.replica import comm_smoke_test
 
     ray.init(address=cluster.address, ignore_reinit_error=True, log_to_driver=False)
     pg = placement_group([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], strategy="STRICT_SPREAD")
@@ -282,7 +282,7 @@ def _comm_test_on(cluster) -> str:
 
 def test_nccl_smoke_test_fails_clearly_without_the_second_gpu() -> None:
     """The second raylet claims a GPU that is not there (its CUDA_VISIBLE_DEVICES names no device)."""
-    from kimi_k3_serve.replica import ReplicaCheckError
+    from kimi_k3_serve.checks.replica import ReplicaCheckError
 
     need_gpus(1)
     cluster, _, _ = start_two_node_cluster(second_gpu="7")

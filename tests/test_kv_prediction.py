@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kimi_k3_serve.kv_prediction import (
+from kimi_k3_serve.checks.kv_prediction import (
     DEFAULT_MARGIN,
     METRIC_NAME,
     compare_kv_cache,
@@ -52,10 +52,10 @@ def planned():
     """A real CheckReport: the memory model on tiny Llama, TP=1, one 24 GiB GPU."""
     from pathlib import Path
 
-    from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice
-    from kimi_k3_serve.memory import estimate_memory
+    from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice
+    from kimi_k3_serve.planning.memory import estimate_memory
     from kimi_k3_serve.models import load_model
-    from kimi_k3_serve.report import build_report
+    from kimi_k3_serve.planning.report import build_report
 
     model = load_model(Path(__file__).parent / "fixtures" / "configs" / "tiny-llama.json")
     memory = estimate_memory(model, Layout(tp=1), EngineSettings(max_model_len=2048, gpu_memory_utilization=0.5),
@@ -89,11 +89,11 @@ def test_comparison_of_a_report_and_vllms_cache_config(planned):
 
 def test_glue_logs_warns_and_never_raises(planned, caplog):
     client = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=_cache_config(planned.num_blocks // 2, None)))
-    with caplog.at_level(logging.INFO, logger="kimi_k3_serve.kv_prediction"):
+    with caplog.at_level(logging.INFO, logger="kimi_k3_serve.checks.kv_prediction"):
         c = report_kv_cache_prediction(planned, client, "tiny-llama")
         assert c is not None and c.error == pytest.approx(planned.num_blocks / (planned.num_blocks // 2) - 1)
         assert report_kv_cache_prediction(planned, SimpleNamespace(), "tiny-llama") is None  # no vllm_config
-    records = [r for r in caplog.records if r.name == "kimi_k3_serve.kv_prediction"]
+    records = [r for r in caplog.records if r.name == "kimi_k3_serve.checks.kv_prediction"]
     assert records[0].levelno == logging.WARNING and "beyond the plan's margin" in records[0].getMessage()
     assert records[-1].getMessage().startswith("KV cache: plan vs vLLM not compared: AttributeError")
 
@@ -122,7 +122,7 @@ def test_gauge_is_exported_with_the_model_id(planned):
 
             from vllm.config.cache import CacheConfig
 
-            from kimi_k3_serve.kv_prediction import report_kv_cache_prediction
+            from kimi_k3_serve.checks.kv_prediction import report_kv_cache_prediction
 
             cache = CacheConfig(block_size=16)
             cache.num_gpu_blocks = blocks

@@ -28,8 +28,8 @@ from vllm.config.cache import CacheConfig
 from vllm.v1.core import kv_cache_utils as vku
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
-from kimi_k3_serve.memory import estimate_memory
+from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
+from kimi_k3_serve.planning.memory import estimate_memory
 from kimi_k3_serve.models import load_model, read_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"

@@ -11,12 +11,12 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group  # noqa: E402
 
 from conftest import LOOPBACK, assert_ray_stays_on_this_machine  # noqa: E402
-from kimi_k3_serve.cluster import declared_cluster  # noqa: E402
-from kimi_k3_serve.layout import EngineSettings, Layout  # noqa: E402
-from kimi_k3_serve.live import live_inventory  # noqa: E402
+from kimi_k3_serve.planning.inventory import declared_cluster
+from kimi_k3_serve.planning.layout import EngineSettings, Layout  # noqa: E402
+from kimi_k3_serve.cluster.live import live_inventory  # noqa: E402
 from kimi_k3_serve.models import load_model  # noqa: E402
-from kimi_k3_serve.placement import PlacementError, bundle_order  # noqa: E402
-from kimi_k3_serve.planner import plan  # noqa: E402
+from kimi_k3_serve.planning.placement import PlacementError, bundle_order  # noqa: E402
+from kimi_k3_serve.planning.planner import plan  # noqa: E402
 
 H200_NODE = {"num_cpus": 1, "num_gpus": 8, "resources": {"accelerator_type:H200": 1}}
 

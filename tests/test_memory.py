@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import lookup_gpu
-from kimi_k3_serve.kvcache import AttentionPageSpec, StatePageSpec
-from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
-from kimi_k3_serve.memory import batch_defaults, estimate_memory, kv_grouping, stage_layer_ranges
+from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.planning.kvcache import AttentionPageSpec, StatePageSpec
+from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
+from kimi_k3_serve.planning.memory import batch_defaults, estimate_memory, kv_grouping, stage_layer_ranges
 from kimi_k3_serve.models import load_model
-from kimi_k3_serve.optimisations import decide_optimisations
+from kimi_k3_serve.planning.optimisations import decide_optimisations
 from kimi_k3_serve.units import GB, GiB
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"

@@ -100,7 +100,7 @@ def test_console_script_wall_time() -> None:
 
 
 def test_core_imports_no_torch_vllm_or_ray() -> None:
-    code = ("import sys, kimi_k3_serve.memory, kimi_k3_serve.kvcache, kimi_k3_serve.optimisations, "
+    code = ("import sys, kimi_k3_serve.planning.memory, kimi_k3_serve.planning.kvcache, kimi_k3_serve.planning.optimisations, "
             "kimi_k3_serve.models, kimi_k3_serve.commands.memory; "
             "print([m for m in ('torch', 'vllm', 'ray', 'transformers') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -151,7 +151,7 @@ def test_without_max_model_len_a_layout_too_small_at_any_length_exits_1(capsys) 
 
 
 def test_unknown_gpu_lists_the_catalogue(capsys) -> None:
-    from kimi_k3_serve.hardware import gpu_names
+    from kimi_k3_serve.planning.hardware import gpu_names
 
     code, _, err = run_cli(capsys, "--gpu", "H2O", "--tp", "8")
     assert code == 2

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kimi_k3_serve.hardware import lookup_gpu
-from kimi_k3_serve.nvml import cuda_visible_memory, fabric_domain, parse_readings, take_readings
+from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.cluster.nvml import cuda_visible_memory, fabric_domain, parse_readings, take_readings
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nvml" / "h200-2026-11-29.json"
 
@@ -74,7 +74,7 @@ def test_no_nvml_is_zero_gpus_with_a_reason():
 
 def test_command_on_this_machine_never_crashes():
     readings = take_readings()
-    done = subprocess.run([sys.executable, "-m", "kimi_k3_serve.nvml"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "kimi_k3_serve.cluster.nvml"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
     if readings.get("unavailable") or not readings["devices"]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 from ray.llm._internal.common.placement import PlacementGroupConfig
 
-from kimi_k3_serve.cluster import declared_cluster, parse_cluster_document
-from kimi_k3_serve.hardware import lookup_gpu
-from kimi_k3_serve.layout import Layout
-from kimi_k3_serve.placement import (
+from kimi_k3_serve.cluster.files import parse_cluster_document
+from kimi_k3_serve.planning.inventory import declared_cluster
+from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.planning.layout import Layout
+from kimi_k3_serve.planning.placement import (
     PlacementError,
     assign_ranks,
     bundle_order,

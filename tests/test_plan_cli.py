@@ -122,7 +122,7 @@ def test_without_max_model_len_a_cluster_too_small_at_any_length_says_so_and_exi
 
 
 def test_unknown_gpu_is_one_line_naming_the_flag_and_listing_the_catalogue(capsys):
-    from kimi_k3_serve.hardware import gpu_names
+    from kimi_k3_serve.planning.hardware import gpu_names
 
     assert main(NO_LENGTH + ["--gpu", "H2O", "--nodes", "2"]) == 2
     err = capsys.readouterr().err

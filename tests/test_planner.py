@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from kimi_k3_serve.cluster import declared_cluster, parse_cluster_document
+from kimi_k3_serve.cluster.files import parse_cluster_document
+from kimi_k3_serve.planning.inventory import declared_cluster
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.layout import EngineSettings, Layout
-from kimi_k3_serve.memory import estimate_memory
+from kimi_k3_serve.planning.layout import EngineSettings, Layout
+from kimi_k3_serve.planning.memory import estimate_memory
 from kimi_k3_serve.models import load_model
-from kimi_k3_serve.planner import NoLayoutFitsError, Pins, default_partition, legal_tp_sizes, plan
+from kimi_k3_serve.planning.planner import NoLayoutFitsError, Pins, default_partition, legal_tp_sizes, plan
 from kimi_k3_serve.units import GiB
 
 TARGET = EngineSettings(max_model_len=32768)
@@ -62,7 +63,7 @@ def test_two_h200_nodes_get_tp8_pp2(k3):
 
 
 def _device(result, placement):
-    from kimi_k3_serve.cluster import rank_device
+    from kimi_k3_serve.planning.inventory import rank_device
 
     node = next(n for n in declared_cluster("H200", 2).nodes if n.node_id == placement.node_id)
     return rank_device(node, node.gpus[placement.gpu_index])
@@ -169,7 +170,7 @@ def test_uneven_partition_when_only_it_fits(k3):
 
 
 def test_fake_gpus_cannot_be_sized(k3):
-    from kimi_k3_serve.cluster import ClusterInventory, GpuInfo, NodeInfo
+    from kimi_k3_serve.planning.inventory import ClusterInventory, GpuInfo, NodeInfo
 
     node = NodeInfo("n", "", {"GPU": 1.0}, {}, (GpuInfo(0, "", "", None, None, None, "node:n"),))
     with pytest.raises(ConfigError) as caught:

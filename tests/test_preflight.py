@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kimi_k3_serve.errors import DoesNotFitError
-from kimi_k3_serve.preflight import (
+from kimi_k3_serve.checks.preflight import (
     CPU_PROCESS_BYTES,
     GrowableType,
     NodeSlot,
@@ -90,8 +90,8 @@ def test_packer_and_memory_plan_assume_the_same_cluster_on_nodes_without_a_node_
     # autoscaler's node type: it is one of that type's nodes, so the type may add one more, not two.
     from dataclasses import replace
 
-    from kimi_k3_serve.cluster import ClusterInventory, NodeTypeCapacity, declared_cluster
-    from kimi_k3_serve.preflight import growable_types
+    from kimi_k3_serve.planning.inventory import ClusterInventory, NodeTypeCapacity, declared_cluster
+    from kimi_k3_serve.checks.preflight import growable_types
 
     present = declared_cluster("H200", 1).nodes[0]
     unlabelled = replace(present, node_type=None, resources={**present.resources, "CPU": 192.0, "node:10.0.0.2": 1.0})
@@ -121,7 +121,7 @@ def test_cpu_memory_need_arithmetic():
 
 
 def dev_args() -> dict:
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     return copy.deepcopy(load_serve_app(REPO / "deploy" / "dev.yaml").raw_args)
 
@@ -142,7 +142,7 @@ def test_serve_llm_bundles_match_ray_serve_llm(ray_head):
     from ray.serve.llm import LLMServer
 
     from kimi_k3_serve import app
-    from kimi_k3_serve.args import load_args
+    from kimi_k3_serve.config.args import load_args
     from kimi_k3_serve.commands.check import serve_llm_bundles
 
     for raw in (dev_args(), {**dev_args(), "accelerator": {"kind": "gpu", "type": "H200"}, "speculative": None}):
@@ -158,8 +158,8 @@ def test_dev_config_passes_the_build_time_check(ray_head):
     import psutil
 
     from kimi_k3_serve import app
-    from kimi_k3_serve.args import load_args, with_resolved_sources
-    from kimi_k3_serve.preflight import cpu_need_of_args
+    from kimi_k3_serve.config.args import load_args, with_resolved_sources
+    from kimi_k3_serve.checks.preflight import cpu_need_of_args
 
     args = load_args(dev_args())
     resolved = with_resolved_sources(args)
@@ -179,7 +179,7 @@ def test_dev_config_passes_the_build_time_check(ray_head):
     print(f"\n[build-time check of deploy/dev.yaml, with vLLM's engine-argument check: "
           f"{time.perf_counter() - started:.2f} s]")
     from kimi_k3_serve.commands.check import serve_llm_bundles
-    from kimi_k3_serve.preflight import check_before_deploy
+    from kimi_k3_serve.checks.preflight import check_before_deploy
 
     started = time.perf_counter()
     live = check_before_deploy(args, *serve_llm_bundles(args))

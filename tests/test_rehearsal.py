@@ -10,12 +10,12 @@ import pytest
 
 from conftest import REPO_ROOT, load_script
 from kimi_k3_serve.cli import main
-from kimi_k3_serve.cluster import GpuInfo
+from kimi_k3_serve.planning.inventory import GpuInfo
 from kimi_k3_serve.commands.rehearse import visible_gpus
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import lookup_gpu
-from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
-from kimi_k3_serve.memory import estimate_memory
+from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
+from kimi_k3_serve.planning.memory import estimate_memory
 from kimi_k3_serve.models import inventory_from_config, load_model, read_config
 from kimi_k3_serve.models.inventory import KdaState, MlaKv
 from kimi_k3_serve.rehearsal.compare import compare, measured_verdict, render_table
@@ -236,8 +236,8 @@ def test_rehearse_layers_too_few_names_the_flag(capsys) -> None:
 
 
 def test_rehearse_deploys_the_apps_engine_kwargs(capsys) -> None:
-    from kimi_k3_serve.args_adapter import vllm_engine_args_of
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.config.args_adapter import vllm_engine_args_of
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     assert main(["rehearse", "--config", str(REPO_ROOT / "deploy" / "config.yaml"), "--layers", "4", "--tp", "1", "--pp",
                  "1", "--dry-run", "--json"]) == 0
@@ -304,7 +304,7 @@ def test_rehearsal_config_is_a_valid_deploy_config(tmp_path, monkeypatch) -> Non
 def test_nvml_readings_of_the_h200_host_map_to_the_ray_gpu_ids_of_its_two_raylets() -> None:
     # Two raylets on the host, CUDA_VISIBLE_DEVICES=0 and =1: Ray hands each bundle's probe the physical id its raylet
     # sees ("0" on one node, "1" on the other); the node's NVML reading (recorded on the host) lists both GPUs.
-    from kimi_k3_serve.replica import BundleProbe, _gpus_by_bundle
+    from kimi_k3_serve.checks.replica import BundleProbe, _gpus_by_bundle
 
     reading = json.loads((RUNS / "host.json").read_text())["nvml"]
     probes = [BundleProbe(0, "node-a", "10.0.0.1", ("0",), reading, 0), BundleProbe(1, "node-b", "10.0.0.1", ("1",), reading, 0)]
@@ -323,7 +323,7 @@ def test_replica_start_comparison_on_the_h200_slice_run_compares_capacity_not_bl
     # Same capacity, different counts: the comparison goes by tokens, so this run is within the margin.
     from vllm.config.cache import CacheConfig
 
-    from kimi_k3_serve.kv_prediction import comparison_of
+    from kimi_k3_serve.checks.kv_prediction import comparison_of
 
     report, reading = accuracy.predict_run(RUNS / "k4-tp1-serve-defaults-dspark")
     engine = json.loads((RUNS / "k4-tp1-serve-defaults-dspark" / "result.json").read_text())["engine"]

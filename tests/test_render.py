@@ -11,7 +11,7 @@ import yaml
 from kimi_k3_serve import __version__
 from kimi_k3_serve.cli import main
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.render import (
+from kimi_k3_serve.clusterfiles.render import (
     FORMATS,
     PLATFORM_OF_FORMAT,
     ClusterFileRequest,
@@ -210,8 +210,8 @@ def test_find_offering_lists_what_exists():
 
 
 def test_cloud_offerings_agree_with_the_hardware_catalogue():
-    from kimi_k3_serve.hardware import lookup_gpu, lookup_instance
-    from kimi_k3_serve.render import OFFERINGS
+    from kimi_k3_serve.planning.hardware import lookup_gpu, lookup_instance
+    from kimi_k3_serve.clusterfiles.render import OFFERINGS
 
     for offering in OFFERINGS:
         lookup_gpu(offering.gpu)
@@ -291,7 +291,7 @@ def test_render_core_imports_no_ray_vllm_or_torch():
     import subprocess
     import sys
 
-    code = ("import sys, kimi_k3_serve.render, kimi_k3_serve.commands.render; "
+    code = ("import sys, kimi_k3_serve.clusterfiles.render, kimi_k3_serve.commands.render; "
             "print(sorted(m for m in ('ray', 'vllm', 'torch', 'yaml') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"

@@ -24,9 +24,9 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group  # noqa: E402
 
-from kimi_k3_serve.args import load_args  # noqa: E402
+from kimi_k3_serve.config.args import load_args  # noqa: E402
 from kimi_k3_serve.commands.check import serve_llm_bundles  # noqa: E402
-from kimi_k3_serve.live import RECORDED_READINGS_ENV  # noqa: E402
+from kimi_k3_serve.cluster.live import RECORDED_READINGS_ENV  # noqa: E402
 from kimi_k3_serve.units import GiB  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def callback(pg, model_dir: Path):
     """The hook object exactly as Ray Serve LLM builds it from ``LLMConfig.callback_config``."""
     from ray.serve.llm import LLMConfig
 
-    from kimi_k3_serve.replica import ReplicaPreflight
+    from kimi_k3_serve.checks.replica import ReplicaPreflight
 
     raw = serve_args(model_dir)
     llm_config = LLMConfig(model_loading_config={"model_id": "llama-8b", "model_source": str(model_dir)},
@@ -176,7 +176,7 @@ def test_bundle_order_applied_and_stages_talk(gpu_cluster, reserved):
 
 
 def test_replica_whose_gpu_lost_memory_is_refused_before_engine_start(gpu_cluster):
-    from kimi_k3_serve.preflight import check_before_deploy
+    from kimi_k3_serve.checks.preflight import check_before_deploy
 
     a, b = gpu_cluster["ids"]
     gpu_cluster["set_free"]({a: [full_free()] * GPUS_PER_NODE, b: [full_free()] * GPUS_PER_NODE})
@@ -218,7 +218,7 @@ def test_target_that_cannot_take_the_draft_is_refused_before_anything_else(tmp_p
     installed vLLM's registry, before it reads the placement group (here a bare object nothing may touch)."""
     from ray.serve.llm import LLMConfig
 
-    from kimi_k3_serve.replica import ReplicaCheckError, ReplicaPreflight
+    from kimi_k3_serve.checks.replica import ReplicaCheckError, ReplicaPreflight
 
     model_dir = tmp_path / "mixtral"
     model_dir.mkdir()

@@ -14,9 +14,9 @@ import pytest
 
 from conftest import load_script
 from kimi_k3_serve.errors import DoesNotFitError
-from kimi_k3_serve.preflight import CpuMemoryNeed
-from kimi_k3_serve.replica import BundleProbe, ReplicaProbes, decide_replica
-from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.checks.preflight import CpuMemoryNeed
+from kimi_k3_serve.checks.replica import BundleProbe, ReplicaProbes, decide_replica
+from kimi_k3_serve.config.serve_config import load_serve_app
 from kimi_k3_serve.units import GiB
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from conftest import REPO_ROOT
-from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.config.serve_config import load_serve_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 

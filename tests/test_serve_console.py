@@ -1,6 +1,6 @@
 """What ``make serve`` shows: text logs from the Serve processes, and the readiness waiter's answer.
 
-- ``kimi_k3_serve.console``: importing our replica modules (which import Ray Serve LLM, which puts a JSON
+- ``kimi_k3_serve.serving.console``: importing our replica modules (which import Ray Serve LLM, which puts a JSON
   formatter on the root logger) leaves the root logger writing text, unless Serve's encoding is JSON. Checked in
   a fresh interpreter, with the real Ray Serve LLM import.
 - ``scripts/wait_ready.py``: with nothing listening it says what it waited for and exits 1; the curl example
@@ -20,7 +20,7 @@ from conftest import REPO_ROOT
 
 PROBE = """
 import logging, sys
-import kimi_k3_serve.ingress  # imports ray.serve.llm (root logger -> JSON), then our console fix
+import kimi_k3_serve.serving.ingress  # imports ray.serve.llm (root logger -> JSON), then our console fix
 print(sorted({type(h.formatter).__name__ for h in logging.getLogger().handlers}), flush=True)
 logging.getLogger("kimi_k3_serve.probe").warning("hello from the probe")
 """

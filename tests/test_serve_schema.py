@@ -1,4 +1,4 @@
-"""The Ray-free shortcut for accepting Serve configs (``kimi_k3_serve.serve_schema``) against Ray's own schema.
+"""The Ray-free shortcut for accepting Serve configs (``kimi_k3_serve.config.serve_schema``) against Ray's own schema.
 
 The shortcut may only ever accept what ``ray.serve.schema.ServeDeploySchema`` accepts; everything else is left
 to Ray. These tests hold it to that: the snapshot must be what the installed Ray generates, Ray's validators on
@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from ray.serve.schema import HTTPOptionsSchema, LoggingConfig, ServeApplicationSchema, ServeDeploySchema
 
 from conftest import REPO_ROOT
-from kimi_k3_serve import serve_schema
+from kimi_k3_serve.config import serve_schema
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.serve_config import load_serve_app
+from kimi_k3_serve.config.serve_config import load_serve_app
 from test_fuzz_config import mutated, yaml_values
 
 DEPLOY_FILES = sorted((REPO_ROOT / "deploy").glob("*.yaml"))
@@ -62,7 +62,7 @@ def ray_accepts(document) -> bool:
 def test_snapshot_is_what_the_installed_ray_generates():
     written = json.loads(serve_schema.SNAPSHOT_PATH.read_text())
     assert written == serve_schema.snapshot_from_ray(), (
-        "Ray's ServeDeploySchema changed: run `python -m kimi_k3_serve.serve_schema` and review the diff"
+        "Ray's ServeDeploySchema changed: run `python -m kimi_k3_serve.config.serve_schema` and review the diff"
     )
 
 

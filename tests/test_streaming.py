@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from ray.llm._internal.serve.utils.batcher import Batcher
 
-from kimi_k3_serve.server import LLMServer
-from kimi_k3_serve.streaming import FirstChunkNowBatcher
+from kimi_k3_serve.serving.server import LLMServer
+from kimi_k3_serve.serving.streaming import FirstChunkNowBatcher
 
 LONG_INTERVAL_MS = 10_000
 DEADLINE_S = 5.0

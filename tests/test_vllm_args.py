@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import load_script
-from kimi_k3_serve.layout import EngineSettings, Layout
-from kimi_k3_serve.serve_config import load_serve_app
-from kimi_k3_serve.vllm_args import CPU_ENV_DEFAULTS, LAYER_PARTITION_ENV, engine_kwargs, env_vars
+from kimi_k3_serve.planning.layout import EngineSettings, Layout
+from kimi_k3_serve.config.serve_config import load_serve_app
+from kimi_k3_serve.planning.vllm_args import CPU_ENV_DEFAULTS, LAYER_PARTITION_ENV, engine_kwargs, env_vars
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = sorted((REPO / "deploy").glob("*.yaml"))
@@ -45,7 +45,7 @@ def slice_cache(tmp_path_factory):
 def test_build_app_deploys_what_the_plan_shows(config, slice_cache, monkeypatch):
     from kimi_k3_serve.app import llm_config_of
     from kimi_k3_serve.commands.render import plan_replica
-    from kimi_k3_serve.hardware import lookup_gpu
+    from kimi_k3_serve.planning.hardware import lookup_gpu
 
     monkeypatch.setenv("KIMI_K3_SERVE_MODEL_CACHE", str(slice_cache))
     args = load_serve_app(config).args
@@ -71,7 +71,7 @@ def test_the_translation_of_a_cpu_engine():
 
 
 def test_without_a_deploy_config_the_plan_proposes_its_kernel_environment():
-    from kimi_k3_serve.optimisations import OptimisationItem, Optimisations
+    from kimi_k3_serve.planning.optimisations import OptimisationItem, Optimisations
 
     decided = Optimisations((OptimisationItem("gemm_rs", True, "why", env=(("VLLM_ENABLE_GEMM_RS", "1"),)),))
     assert env_vars(Layout(tp=8), EngineSettings(max_model_len=1024), decided) == {"VLLM_ENABLE_GEMM_RS": "1"}

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from kimi_k3_serve.cluster import declared_cluster
+from kimi_k3_serve.planning.inventory import declared_cluster
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice
-from kimi_k3_serve.memory import estimate_memory
+from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice
+from kimi_k3_serve.planning.memory import estimate_memory
 from kimi_k3_serve.models import load_model
-from kimi_k3_serve.planner import Pins, plan
-from kimi_k3_serve.vllm_args import engine_kwargs
+from kimi_k3_serve.planning.planner import Pins, plan
+from kimi_k3_serve.planning.vllm_args import engine_kwargs
 from kimi_k3_serve.units import GiB
-from kimi_k3_serve.wide_ep import check_eplb, eplb_costs, expert_split, total_concurrency
+from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, total_concurrency
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 TARGET = EngineSettings(max_model_len=32768, max_num_seqs=128)  # set: an unset 1,024 exceeds a DP engine's blocks

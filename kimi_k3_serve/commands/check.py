@@ -3,7 +3,7 @@
     kimi-k3-serve check --config deploy/config.yaml --cluster cluster_configs/aws-h200-p5en.yaml
     kimi-k3-serve check --config deploy/config.yaml --address ray://head:10001 --json --plot fit.png
 
-The same check ``build_app`` runs at deploy time (``kimi_k3_serve.preflight``): the replica's placement group
+The same check ``build_app`` runs at deploy time (``kimi_k3_serve.checks.preflight``): the replica's placement group
 bin-packed onto the nodes (counting what the autoscaler may add), then every GPU of the deploy config's layout
 checked with the memory model, against a live cluster (NVML on every node) or a declared one (a Ray cluster
 launcher file, a KubeRay RayCluster/RayService or the short ``nodes:`` format). When the layout cannot be
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
 
 if TYPE_CHECKING:
-    from kimi_k3_serve.args import ServeArgs
+    from kimi_k3_serve.config.args import ServeArgs
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1
 REPLICA_ACTOR_CPUS = 1.0
@@ -76,7 +76,7 @@ def serve_llm_bundles(args: ServeArgs) -> tuple[list[dict[str, float]], str]:
 def declared_snapshot(inventory: Any):
     """A declared cluster as the packer sees it: every node empty; node types the autoscaler may grow, up to
     their max count. A resource a file does not declare (often CPU) is not checked."""
-    from kimi_k3_serve.preflight import ClusterSnapshot, NodeSlot, growable_types
+    from kimi_k3_serve.checks.preflight import ClusterSnapshot, NodeSlot, growable_types
 
     unchecked = float("inf")
     slots = []
@@ -112,7 +112,7 @@ def _live_snapshot(address: str, args: ServeArgs):
     _reachable(address)
     import ray
 
-    from kimi_k3_serve.preflight import cluster_snapshot
+    from kimi_k3_serve.checks.preflight import cluster_snapshot
 
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
@@ -126,9 +126,9 @@ def _live_snapshot(address: str, args: ServeArgs):
 
 def _alternatives(serve_args: ServeArgs, inventory: Any, started: float) -> tuple[Any | None, str]:
     """Whether any other layout of the model fits the same cluster: (report of the best or closest, words)."""
-    from kimi_k3_serve.planner import NoLayoutFitsError, Pins, plan
-    from kimi_k3_serve.args_adapter import planner_inputs
-    from kimi_k3_serve.preflight import report_of_candidate, report_of_plan
+    from kimi_k3_serve.planning.planner import NoLayoutFitsError, Pins, plan
+    from kimi_k3_serve.config.args_adapter import planner_inputs
+    from kimi_k3_serve.checks.preflight import report_of_candidate, report_of_plan
 
     cluster = inventory.at_capacity() if inventory.autoscaling else inventory
     if not cluster.gpu_nodes or any(g.total_bytes is None for n in cluster.gpu_nodes for g in n.gpus):
@@ -152,9 +152,9 @@ def _alternatives(serve_args: ServeArgs, inventory: Any, started: float) -> tupl
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    from kimi_k3_serve.cluster import load_cluster_file
-    from kimi_k3_serve.preflight import check_before_deploy
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.cluster.files import load_cluster_file
+    from kimi_k3_serve.checks.preflight import check_before_deploy
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     app = load_serve_app(args.config, app_name=args.app)
     serve_args = app.args
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         snapshot = _live_snapshot(args.address, serve_args)
     bundles, strategy = serve_llm_bundles(serve_args)
     try:
-        # With DP, Ray Serve LLM's DPServer gang-schedules one such replica per DP rank (kimi_k3_serve.dp_serve).
+        # With DP, Ray Serve LLM's DPServer gang-schedules one such replica per DP rank (kimi_k3_serve.serving.dp_serve).
         result = check_before_deploy(serve_args, bundles, strategy, snapshot=snapshot,
                                      gang_size=serve_args.parallel.data_parallel_size)
     except DoesNotFitError as exc:
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _emit(args: argparse.Namespace, *, fits: bool, lines: list[str], report: Any, started: float, source: str) -> int:
-    from kimi_k3_serve.report import format_table, plot
+    from kimi_k3_serve.planning.report import format_table, plot
 
     seconds = time.perf_counter() - started
     if report is not None:

@@ -18,8 +18,8 @@ from typing import Any
 from kimi_k3_serve.commands.argtypes import fraction, positive_int
 from kimi_k3_serve.commands.lengths import given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import gpu_names, lookup_gpu
-from kimi_k3_serve.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, EngineSettings, Layout, RankDevice, SpeculativeSettings
+from kimi_k3_serve.planning.hardware import gpu_names, lookup_gpu
+from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.units import GiB, fmt_gib
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kimi_k3_serve.memory import estimate_memory
+    from kimi_k3_serve.planning.memory import estimate_memory
     from kimi_k3_serve.models import load_model
 
     t0 = time.perf_counter()

@@ -20,10 +20,10 @@ from typing import Any
 from kimi_k3_serve.commands.argtypes import positive_int
 from kimi_k3_serve.commands.lengths import LengthChoice, given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import lookup_gpu
-from kimi_k3_serve.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, SPECULATIVE_METHODS, EngineSettings, SpeculativeSettings
+from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, SPECULATIVE_METHODS, EngineSettings, SpeculativeSettings
 from kimi_k3_serve.units import fmt_gib
-from kimi_k3_serve.planner import OBJECTIVES
+from kimi_k3_serve.planning.planner import OBJECTIVES
 
 MAX_WHAT_IF_NODES = 256
 
@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster(args: argparse.Namespace):
-    from kimi_k3_serve.cluster import declared_cluster, load_cluster_file
+    from kimi_k3_serve.cluster.files import load_cluster_file
+    from kimi_k3_serve.planning.inventory import declared_cluster
 
     if args.cluster and (args.gpu or args.nodes):
         raise ConfigError("--cluster", args.cluster, "either --cluster FILE or --gpu NAME --nodes N, not both")
@@ -130,7 +131,7 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
 
 def run(args: argparse.Namespace) -> int:
     from kimi_k3_serve.models import load_model
-    from kimi_k3_serve.planner import NoLayoutFitsError, Pins, plan
+    from kimi_k3_serve.planning.planner import NoLayoutFitsError, Pins, plan
 
     if args.gpu is not None:
         lookup_gpu(args.gpu, field="--gpu")  # an unknown name: one line listing the catalogue
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _length(args: argparse.Namespace, model, engine: EngineSettings, cluster, pins) -> LengthChoice:
     """``--max-model-len`` as given, else the model config's, capped at the longest at which a layout fits."""
-    from kimi_k3_serve.planner import NoLayoutFitsError, plan
+    from kimi_k3_serve.planning.planner import NoLayoutFitsError, plan
 
     if args.max_model_len:
         return given(args.max_model_len)
@@ -242,8 +243,8 @@ def smallest_cluster(model, engine, pins, gpu: str, gpus_per_node: int | None, *
     """(nodes, plan) for the fewest nodes of ``gpu`` on which a layout fits, or (None, closest error) when even
     ``max_nodes`` nodes are not enough. More nodes only add choices, so the answer is found by doubling, then
     bisection: a few dozen plans at most."""
-    from kimi_k3_serve.cluster import declared_cluster
-    from kimi_k3_serve.planner import NoLayoutFitsError, plan
+    from kimi_k3_serve.planning.inventory import declared_cluster
+    from kimi_k3_serve.planning.planner import NoLayoutFitsError, plan
 
     tried: dict[int, object] = {}
 
@@ -279,9 +280,9 @@ def smallest_cluster(model, engine, pins, gpu: str, gpus_per_node: int | None, *
 def what_would_fit(model, engine, pins, args: argparse.Namespace, cluster) -> dict[str, Any]:
     """For a declared ``--gpu --nodes`` cluster that is too small: by how much (the checkpoint against all the
     GPUs' budgets), how many nodes of that GPU would do, and which catalogue GPUs would on as many nodes."""
-    from kimi_k3_serve.cluster import declared_cluster
-    from kimi_k3_serve.hardware import CATALOGUE
-    from kimi_k3_serve.planner import NoLayoutFitsError, plan
+    from kimi_k3_serve.planning.inventory import declared_cluster
+    from kimi_k3_serve.planning.hardware import CATALOGUE
+    from kimi_k3_serve.planning.planner import NoLayoutFitsError, plan
 
     gpus = [g for node in cluster.gpu_nodes for g in node.gpus]
     budget = sum(int(g.total_bytes * engine.gpu_memory_utilization) for g in gpus)

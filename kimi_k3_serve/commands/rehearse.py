@@ -32,7 +32,7 @@ from kimi_k3_serve.commands.argtypes import fraction, positive_int
 from kimi_k3_serve.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kimi_k3_serve.args import ServeArgs
+    from kimi_k3_serve.config.args import ServeArgs
 
 EXIT_STARTED, EXIT_FAILED = 0, 1
 SHIPPED_DRAFTS = {"kimi-k3-dspark", "kimi-k3-eagle3"}
@@ -81,10 +81,10 @@ def _json_flag(text: str | None, flag: str) -> Any:
 
 def serve_args_of(ns: argparse.Namespace) -> ServeArgs:
     """The ``ServeArgs`` to rehearse: the deploy config's (or a GPU config made from the flags), flags applied."""
-    from kimi_k3_serve.args import load_args
+    from kimi_k3_serve.config.args import load_args
 
     if ns.config:
-        from kimi_k3_serve.serve_config import load_serve_app
+        from kimi_k3_serve.config.serve_config import load_serve_app
 
         raw = load_serve_app(ns.config, app_name=ns.app).args.model_dump(exclude_none=True)
     else:
@@ -127,8 +127,8 @@ def serve_args_of(ns: argparse.Namespace) -> ServeArgs:
 
 def _model_config(source: str, field: str) -> tuple[dict[str, Any], Path | None]:
     """(config.json, the folder to load weights/tokenizer from or None for a shipped config) of a source."""
-    from kimi_k3_serve.args import resolve_source
-    from kimi_k3_serve.args_adapter import SHIPPED_MODEL_IDS
+    from kimi_k3_serve.config.args import resolve_source
+    from kimi_k3_serve.config.args_adapter import SHIPPED_MODEL_IDS
     from kimi_k3_serve.models import SHIPPED, read_config
 
     name = SHIPPED_MODEL_IDS.get(source, source)
@@ -175,7 +175,7 @@ def materialize_models(args: ServeArgs, work: Path, layers: int | None):
 def engine_of(args: ServeArgs, target_dir: Path, executor: str, resolved_tokens: int) -> tuple[dict[str, Any], dict[str, str]]:
     """(engine kwargs, env) as the application builder deploys them, for dummy weights. ``resolved_tokens`` is the
     plan's ``max_num_batched_tokens``, what a Serve replica's vLLM picks when the config leaves it unset."""
-    from kimi_k3_serve.args_adapter import vllm_engine_args_of
+    from kimi_k3_serve.config.args_adapter import vllm_engine_args_of
 
     dummy = args.model_copy(update={"model": args.model.model_copy(update={"load_format": "dummy"})})
     vllm = vllm_engine_args_of(dummy)  # args' sources are the materialized folders (target_dir, draft_dir)
@@ -190,9 +190,9 @@ def engine_of(args: ServeArgs, target_dir: Path, executor: str, resolved_tokens:
 
 def predict(args: ServeArgs, device):
     """The plan's memory report for these args on ``device`` (a ``RankDevice``)."""
-    from kimi_k3_serve.args_adapter import planner_inputs
-    from kimi_k3_serve.layout import Layout
-    from kimi_k3_serve.memory import estimate_memory
+    from kimi_k3_serve.config.args_adapter import planner_inputs
+    from kimi_k3_serve.planning.layout import Layout
+    from kimi_k3_serve.planning.memory import estimate_memory
 
     model, engine, pins = planner_inputs(args)
     layout = Layout(tp=pins.tp, pp=pins.pp, ep=bool(pins.ep), dp=pins.dp, layer_partition=pins.layer_partition)
@@ -204,8 +204,8 @@ def predict(args: ServeArgs, device):
 def cluster_devices(world: int, gpu_type: str | None):
     """With Ray's executor the engine's workers run on the Ray cluster's GPUs, not necessarily this machine's: the plan
     uses the deploy config's GPU type (``args.accelerator.type``)."""
-    from kimi_k3_serve.hardware import lookup_gpu
-    from kimi_k3_serve.layout import RankDevice
+    from kimi_k3_serve.planning.hardware import lookup_gpu
+    from kimi_k3_serve.planning.layout import RankDevice
 
     if gpu_type is None:
         raise ConfigError("args.accelerator.type", None, "a GPU type from the catalogue, for --executor ray")
@@ -215,7 +215,7 @@ def cluster_devices(world: int, gpu_type: str | None):
 
 def local_devices(world: int, dry_run: bool):
     """(RankDevice for the plan, GPU labels) of the GPUs the engine will use; ConfigError without enough GPUs."""
-    from kimi_k3_serve.nvml import local_gpus
+    from kimi_k3_serve.cluster.nvml import local_gpus
 
     gpus, reason, _ = local_gpus()
     return choose_devices(visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")), reason, world, dry_run)
@@ -223,8 +223,8 @@ def local_devices(world: int, dry_run: bool):
 
 def choose_devices(gpus: list, reason: str | None, world: int, dry_run: bool):
     """The decision of ``local_devices`` on GPUs already read (``GpuInfo``, as CUDA will show them)."""
-    from kimi_k3_serve.hardware import find_gpu_by_device_name, lookup_gpu
-    from kimi_k3_serve.layout import RankDevice
+    from kimi_k3_serve.planning.hardware import find_gpu_by_device_name, lookup_gpu
+    from kimi_k3_serve.planning.layout import RankDevice
 
     if not gpus and reason is None:
         reason = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides every GPU NVML sees"

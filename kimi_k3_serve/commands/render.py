@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import lookup_gpu
-from kimi_k3_serve.render import (
+from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.clusterfiles.render import (
     FORMATS,
     PLATFORM_OF_FORMAT,
     ClusterFileRequest,
@@ -32,7 +32,7 @@ from kimi_k3_serve.render import (
 from kimi_k3_serve.units import cdiv, fmt_gib
 
 if TYPE_CHECKING:
-    from kimi_k3_serve.args import ServeArgs
+    from kimi_k3_serve.config.args import ServeArgs
 
 FAKE_IDLE_TIMEOUT_S = 12
 """The fake cluster is for tests: nodes go away 12 s (0.2 min) after the placement group is released."""
@@ -50,7 +50,7 @@ class DeployConfig:
 
 
 def load_deploy_config(path: str | Path, *, app: str | None = None) -> DeployConfig:
-    from kimi_k3_serve.serve_config import load_serve_app
+    from kimi_k3_serve.config.serve_config import load_serve_app
 
     serve_app = load_serve_app(path, app_name=app)
     args = serve_app.args
@@ -67,9 +67,9 @@ def plan_replica(args: ServeArgs, *, gpus_per_node: int):
     Raises ``DoesNotFitError`` (exit 1) with the per-GPU shortfall when it does not fit: a cluster file is not
     written for a replica that cannot load.
     """
-    from kimi_k3_serve.args_adapter import planner_inputs
-    from kimi_k3_serve.cluster import declared_cluster
-    from kimi_k3_serve.planner import plan
+    from kimi_k3_serve.config.args_adapter import planner_inputs
+    from kimi_k3_serve.planning.inventory import declared_cluster
+    from kimi_k3_serve.planning.planner import plan
 
     model, engine, pins = planner_inputs(args)
     nodes = cdiv(args.parallel.world_size, gpus_per_node)

@@ -35,7 +35,7 @@ host_info() {
   python3 - "$runs/host.json" <<'PY'
 import json, subprocess, sys, platform
 import torch, vllm, ray
-from kimi_k3_serve.nvml import take_readings
+from kimi_k3_serve.cluster.nvml import take_readings
 info = {"date": __import__("datetime").datetime.utcnow().isoformat() + "Z", "python": platform.python_version(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "vllm": vllm.__version__, "ray": ray.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())), "nvml": take_readings(),

@@ -14,9 +14,9 @@ import json
 import os
 from typing import Any
 
-from kimi_k3_serve.cluster import ClusterInventory, GpuInfo, NodeInfo, NodeTypeCapacity
+from kimi_k3_serve.planning.inventory import ClusterInventory, GpuInfo, NodeInfo, NodeTypeCapacity
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import find_gpu_by_device_name
+from kimi_k3_serve.planning.hardware import find_gpu_by_device_name
 
 NODE_GROUP_LABELS = ("ray.io/node-group", "ray.io/node_group", "ray.io/node-type")
 RECORDED_READINGS_ENV = "KIMI_K3_SERVE_NVML_READINGS"
@@ -35,7 +35,7 @@ def _read_gpus_on_node() -> dict[str, Any]:
         with open(recorded, encoding="utf-8") as handle:
             table = json.load(handle)
         return table.get(node_id) or table.get("default") or {"unavailable": f"no recorded reading for node {node_id}"}
-    from kimi_k3_serve.nvml import take_readings
+    from kimi_k3_serve.cluster.nvml import take_readings
 
     return take_readings()
 
@@ -99,7 +99,7 @@ def live_inventory(address: str | None = None, *, timeout_s: float = 120.0) -> C
 
 
 def _node_info(node: dict, reading: dict | None, available: dict | None, is_head: bool, notes: list) -> NodeInfo:
-    from kimi_k3_serve.nvml import parse_readings
+    from kimi_k3_serve.cluster.nvml import parse_readings
 
     node_id = node["NodeID"]
     resources = {str(k): float(v) for k, v in node.get("Resources", {}).items()}

@@ -3,7 +3,7 @@
 For every rank: budget ``ceil(gpu_memory_utilization x total)``; non-KV = weights (exact, from the
 inventory's sharding rules, per PP stage) + draft (last stage) + activation peak, non-torch memory, the
 CUDA-graph pool and workspaces (estimates, each with its margin); the rest is the KV pool, cut into blocks
-exactly as vLLM 0.32 does (``kimi_k3_serve.kvcache``), with the engine's block count the minimum over ranks.
+exactly as vLLM 0.32 does (``kimi_k3_serve.planning.kvcache``), with the engine's block count the minimum over ranks.
 A rank "fits" when it can start (free >= budget) and its pool holds one ``max_model_len`` request.
 
 Identical ranks (same stage, same device) are computed once; the inventory caches per-layer bytes per
@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.kvcache import (
+from kimi_k3_serve.planning.kvcache import (
     FP8_DS_MLA_BYTES_PER_TOKEN,
     MLA_HYBRID_MIN_BLOCK,
     AttentionPageSpec,
@@ -31,11 +31,11 @@ from kimi_k3_serve.kvcache import (
     hybrid_block_size,
     plan_pool,
 )
-from kimi_k3_serve.layout import EngineSettings, Layout, RankDevice
+from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice
 from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
-from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
+from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.units import GiB, MiB, cdiv
-from kimi_k3_serve.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
+from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
 
 NON_TORCH_TP1 = int(0.45 * GiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)

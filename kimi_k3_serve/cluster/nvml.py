@@ -14,7 +14,7 @@ NVLink domain: on multi-node NVLink (GB200/GB300 NVL72) every GPU of one NVLink 
 fabric cluster UUID and clique id (``nvmlDeviceGetGpuFabricInfoV``); those GPUs share a domain across Ray
 nodes. Everywhere else (HGX boards, PCIe cards, fabric not supported) the domain is the node.
 
-``python -m kimi_k3_serve.nvml`` prints ``{"gpus": [...], "reason": ..., "readings": {...}}`` as JSON.
+``python -m kimi_k3_serve.cluster.nvml`` prints ``{"gpus": [...], "reason": ..., "readings": {...}}`` as JSON.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import socket
 import sys
 from typing import Any
 
-from kimi_k3_serve.cluster import GpuInfo
+from kimi_k3_serve.planning.inventory import GpuInfo
 
 FABRIC_STATE_COMPLETED = 3  # NVML_GPU_FABRIC_STATE_COMPLETED
 NVML_SUCCESS = 0

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 
 from kimi_k3_serve import __version__
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import lookup_gpu
+from kimi_k3_serve.planning.hardware import lookup_gpu
 from kimi_k3_serve.units import GB, GiB
 
 FORMATS = ("launcher-aws", "launcher-gcp", "kuberay", "fake")
@@ -50,7 +50,7 @@ class ReplicaShape:
     """The nodes one replica of the model occupies, as its placement group asks for them."""
 
     gpu: str
-    """Catalogue GPU name (``kimi_k3_serve.hardware``), e.g. ``H200``."""
+    """Catalogue GPU name (``kimi_k3_serve.planning.hardware``), e.g. ``H200``."""
     accelerator_type: str | None
     """Ray ``accelerator_type`` the LLM config sets (adds ``accelerator_type:<T>: 0.001`` to every bundle)."""
     gpus_per_node: int

@@ -1,7 +1,7 @@
 """The checks of a DP x TP (x EP) layout: at build time, where the planner puts every DP rank; at replica start,
 every DP rank of the gang Serve actually reserved.
 
-Ray Serve LLM's ``DPServer`` (``kimi_k3_serve.dp_serve``) gang-schedules one replica per DP rank into one placement
+Ray Serve LLM's ``DPServer`` (``kimi_k3_serve.serving.dp_serve``) gang-schedules one replica per DP rank into one placement
 group and gives DP rank *r* the bundles ``sorted[r * B : (r + 1) * B]`` (``DPServer._compute_bundle_indices``), where
 ``sorted`` is the gang's bundles grouped by node with DP rank 0's node first (``get_bundle_indices_sorted_by_node``)
 and ``B = TP x PP``. Each replica's check (``check_dp_replica``, run by ``replica.ReplicaPreflight`` before vLLM
@@ -97,7 +97,7 @@ def order_dp_ranks(layout: Any, slices: Sequence[Sequence[int]], table: Mapping[
     slice's roomiest node). Raises ``PlacementError`` naming the DP rank whose slice cannot hold its TP groups."""
     from dataclasses import replace
 
-    from kimi_k3_serve.placement import PlacementError, bundle_order, roomiest_node
+    from kimi_k3_serve.planning.placement import PlacementError, bundle_order, roomiest_node
 
     engine = replace(layout, dp=1)
     out = []
@@ -118,7 +118,7 @@ def order_dp_ranks(layout: Any, slices: Sequence[Sequence[int]], table: Mapping[
 def tightest_gpu_by_bundle(probes: Sequence[Any]) -> tuple[dict[int, Any], list[str]]:
     """Bundle -> the ``GpuInfo`` with the least free memory on its node (probes that asked for no GPU: which GPU the
     bundle holds is not known, its node's tightest stands for it); and why any node has no reading."""
-    from kimi_k3_serve.nvml import parse_readings
+    from kimi_k3_serve.cluster.nvml import parse_readings
 
     found: dict[int, Any] = {}
     missing: list[str] = []
@@ -145,11 +145,11 @@ def check_dp_replica(args: Any, pg: Any, *, dp_rank: int, dp_size: int, driver_n
     from ray.serve.llm.deployment import DPServer
     from ray.util.placement_group import placement_group_table
 
-    from kimi_k3_serve.cluster import NodeInfo, rank_device
-    from kimi_k3_serve.placement import PlacementError
-    from kimi_k3_serve.planner import memory_on_devices
-    from kimi_k3_serve.preflight import planner_inputs
-    from kimi_k3_serve.replica import (
+    from kimi_k3_serve.planning.inventory import NodeInfo, rank_device
+    from kimi_k3_serve.planning.placement import PlacementError
+    from kimi_k3_serve.planning.planner import memory_on_devices
+    from kimi_k3_serve.checks.preflight import planner_inputs
+    from kimi_k3_serve.checks.replica import (
         ReplicaCheckError,
         ReplicaCheckResult,
         _gpus_by_bundle,
@@ -209,7 +209,7 @@ def check_dp_replica(args: Any, pg: Any, *, dp_rank: int, dp_size: int, driver_n
         one_domain = all(len({devices[g * layout.tp + t].nvlink_domain for t in range(layout.tp)}) == 1
                          for g in range(layout.pp * layout.dp))
         memory, optimisations = memory_on_devices(model, engine, layout, devices, one_domain=one_domain)
-        from kimi_k3_serve.report import build_report, format_table
+        from kimi_k3_serve.planning.report import build_report, format_table
 
         placements = [_Placed(rank, table[b], devices[rank].index) for rank, b in enumerate(order)]
         report = build_report(model_name=model.name, cluster_source="reserved gang placement group",

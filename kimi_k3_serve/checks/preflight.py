@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from kimi_k3_serve.cluster import capacity_resources
-from kimi_k3_serve.args import ServeArgs
+from kimi_k3_serve.planning.inventory import capacity_resources
+from kimi_k3_serve.config.args import ServeArgs
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
 from kimi_k3_serve.units import GiB, fmt_gib
 
@@ -299,7 +299,7 @@ def cluster_snapshot(*, with_host_memory: bool = False, timeout_s: float = 60.0)
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from kimi_k3_serve.live import _available_per_node, live_inventory
+    from kimi_k3_serve.cluster.live import _available_per_node, live_inventory
 
     inventory = live_inventory(timeout_s=timeout_s)
     available = _available_per_node()
@@ -398,8 +398,8 @@ def check_before_deploy(
 def cpu_need_of_args(args: ServeArgs) -> CpuMemoryNeed:
     """Host memory of one CPU replica of ``args``: checkpoints of local folders, ``VLLM_CPU_KVCACHE_SPACE``
     per worker (the config's value, else the app's default), and the processes."""
-    from kimi_k3_serve.args import resolve_source
-    from kimi_k3_serve.vllm_args import CPU_ENV_DEFAULTS
+    from kimi_k3_serve.config.args import resolve_source
+    from kimi_k3_serve.planning.vllm_args import CPU_ENV_DEFAULTS
 
     def local(source: str, name: str) -> int | None:
         return checkpoint_bytes(resolve_source(source, field=name))
@@ -449,7 +449,7 @@ def _check_cpu_memory(args: ServeArgs, packed: PackResult, snapshot: ClusterSnap
 
 def _check_gpu_memory(args: ServeArgs, snapshot: ClusterSnapshot, started: float):
     """Plan the pinned layout on the live GPUs (grown to the autoscaler's max when it autoscales)."""
-    from kimi_k3_serve.planner import NoLayoutFitsError, plan
+    from kimi_k3_serve.planning.planner import NoLayoutFitsError, plan
 
     inventory = snapshot.inventory
     unknown = [node.node_id for node in inventory.gpu_nodes if any(g.total_bytes is None for g in node.gpus)]
@@ -459,7 +459,7 @@ def _check_gpu_memory(args: ServeArgs, snapshot: ClusterSnapshot, started: float
     cluster = inventory.at_capacity() if inventory.autoscaling else inventory
     if not cluster.gpu_nodes:
         return None, None, ["GPU memory: no GPU node yet and no autoscaler node type with GPUs to size"]
-    from kimi_k3_serve.args_adapter import planner_inputs
+    from kimi_k3_serve.config.args_adapter import planner_inputs
 
     model, engine, pins = planner_inputs(args)
     try:
@@ -469,21 +469,21 @@ def _check_gpu_memory(args: ServeArgs, snapshot: ClusterSnapshot, started: float
             if exc.candidates and exc.candidates[0].report is not None else None
         message = str(exc)
         if report is not None:
-            from kimi_k3_serve.report import format_table
+            from kimi_k3_serve.planning.report import format_table
 
             message += "\n" + format_table(report)
         raise DoesNotFitError(message, report=report) from None
     report = report_of_plan(result, time.perf_counter() - started)
     lines = [f"GPU memory: {report.verdict}"]
     if result.layout.dp > 1:
-        from kimi_k3_serve.dp_replica import dp_placement_lines
+        from kimi_k3_serve.checks.dp_replica import dp_placement_lines
 
         lines.extend(dp_placement_lines(result.layout, result.placements))
     return result, report, lines
 
 
 def report_of_plan(result: Any, seconds: float, *, notes: Sequence[str] = (), extra: dict | None = None):
-    from kimi_k3_serve.report import build_report
+    from kimi_k3_serve.planning.report import build_report
 
     return build_report(model_name=result.model.name, cluster_source=result.cluster_source, gpu_name=result.gpu_name,
                         memory=result.report, placements=result.placements, optimisations=result.optimisations,
@@ -496,7 +496,7 @@ def report_of_plan(result: Any, seconds: float, *, notes: Sequence[str] = (), ex
 def report_of_candidate(candidate: Any, model_name: str, cluster: Any, seconds: float, *,
                         notes: Sequence[str] = (), extra: dict | None = None):
     """The per-GPU report of a layout that was sized but does not fit (the planner's closest candidate)."""
-    from kimi_k3_serve.report import build_report
+    from kimi_k3_serve.planning.report import build_report
 
     return build_report(model_name=model_name, cluster_source=cluster.source, gpu_name=gpu_of_cluster(cluster),
                         memory=candidate.report, placements=candidate.placements,

@@ -9,10 +9,10 @@ constructor reads its rank from the gang context, publishes or fetches rank 0's 
 ``data_parallel_rank`` / ``data_parallel_address`` / ``data_parallel_rpc_port`` in the engine arguments and this
 rank's slice of the gang's bundles in ``VLLM_RAY_BUNDLE_INDICES``.
 
-Here ``DPServer`` is that class with this package's replica behaviour mixed in (``kimi_k3_serve.server.LLMServer``:
+Here ``DPServer`` is that class with this package's replica behaviour mixed in (``kimi_k3_serve.serving.server.LLMServer``:
 the hang-aware health check, first-token-first stream batching, the KV prediction check); ``build_dp_app`` is
 ``build_dp_openai_app`` with our ingress: the DP deployment comes from ``build_dp_deployment`` itself.
-The replica-start check of every DP rank is ``kimi_k3_serve.dp_replica``.
+The replica-start check of every DP rank is ``kimi_k3_serve.checks.dp_replica``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kimi_k3_serve.console import before_serve_llm_import
+from kimi_k3_serve.serving.console import before_serve_llm_import
 
 before_serve_llm_import()
 
 from ray.serve.llm.deployment import DPServer as _ServeDPServer
 
-from kimi_k3_serve.server import LLMServer
+from kimi_k3_serve.serving.server import LLMServer
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kimi_k3_serve.layout import EngineSettings, Layout
-from kimi_k3_serve.optimisations import Optimisations
+from kimi_k3_serve.planning.layout import EngineSettings, Layout
+from kimi_k3_serve.planning.optimisations import Optimisations
 
 CPU_ENV_DEFAULTS = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",

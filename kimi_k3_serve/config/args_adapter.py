@@ -3,16 +3,16 @@
 - ``planner_inputs``: (model inventory, ``EngineSettings``, ``Pins``) with the deploy config's own layout pinned,
   so the build-time check, ``check``, ``render`` and the rehearsal plan exactly what will run;
 - ``vllm_engine_args_of``: the engine arguments and environment ``build_app`` deploys, through the one
-  translation (``kimi_k3_serve.vllm_args``) the plan shows.
+  translation (``kimi_k3_serve.planning.vllm_args``) the plan shows.
 """
 
 from __future__ import annotations
 
-from kimi_k3_serve.args import ServeArgs, with_resolved_sources
+from kimi_k3_serve.config.args import ServeArgs, with_resolved_sources
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.layout import EngineSettings, Layout, SpeculativeSettings
+from kimi_k3_serve.planning.layout import EngineSettings, Layout, SpeculativeSettings
 from kimi_k3_serve.models.inventory import ModelInventory
-from kimi_k3_serve.vllm_args import VllmEngineArgs, vllm_engine_args
+from kimi_k3_serve.planning.vllm_args import VllmEngineArgs, vllm_engine_args
 
 # Hub ids of the checkpoints whose config.json ships with the package, so a deploy config that names the hub
 # id is planned offline. Any other source must be a local folder (or config.json) the planner can read.
@@ -90,7 +90,7 @@ def engine_settings(args: ServeArgs, *, draft: ModelInventory | None = None) -> 
 def deploy_pins(args: ServeArgs, model: ModelInventory):
     """The deploy config's layout, pinned: the planner checks exactly what will run. Without a
     ``layer_partition`` vLLM splits the layers its default way, so that split is pinned too."""
-    from kimi_k3_serve.planner import Pins, default_partition
+    from kimi_k3_serve.planning.planner import Pins, default_partition
 
     layout = layout_of(args)
     partition = layout.layer_partition
@@ -102,7 +102,7 @@ def deploy_pins(args: ServeArgs, model: ModelInventory):
 def planner_inputs(args: ServeArgs):
     """(model inventory, EngineSettings, Pins) for a validated ``ServeArgs``, sources resolved: the deploy
     config's own layout, pinned, so the check is of exactly what will run."""
-    from kimi_k3_serve.planner import validate_pins
+    from kimi_k3_serve.planning.planner import validate_pins
 
     args = with_resolved_sources(args)
     model = model_inventory(args.model.source, field="args.model.source")

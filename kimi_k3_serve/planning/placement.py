@@ -19,10 +19,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from kimi_k3_serve.cluster import ClusterInventory, GpuInfo, NodeInfo
+from kimi_k3_serve.planning.inventory import ClusterInventory, GpuInfo, NodeInfo
 from kimi_k3_serve.errors import KimiK3ServeError
-from kimi_k3_serve.hardware import GpuSpec
-from kimi_k3_serve.layout import Layout
+from kimi_k3_serve.planning.hardware import GpuSpec
+from kimi_k3_serve.planning.layout import Layout
 
 ACCELERATOR_HINT = 0.001  # what Ray Serve LLM adds per bundle for accelerator_type (vllm_models.py)
 

@@ -5,7 +5,7 @@ placement group exists and before the model download, the engine config and the 
 (``VLLMEngine.start``). ``ReplicaPreflight`` is that callback. It
 
 0. with an EAGLE3-family draft (``eagle3``, ``dspark``), asks vLLM whether the class it resolves for the target
-   on this platform declares ``SupportsEagle3`` (``kimi_k3_serve.draft_target``), so a target that cannot
+   on this platform declares ``SupportsEagle3`` (``kimi_k3_serve.checks.draft_target``), so a target that cannot
    take the draft is refused in seconds, not after its weights have loaded;
 1. reads the placement group's bundle-to-node table (``placement_group_table``);
 2. runs one short probe in every worker bundle (``num_cpus=0``; on GPUs ``num_gpus=0.001``, so Ray hands it
@@ -33,12 +33,12 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from kimi_k3_serve.args import ServeArgs
+from kimi_k3_serve.config.args import ServeArgs
 from kimi_k3_serve.errors import DoesNotFitError, KimiK3ServeError, PerGpuReport
 from kimi_k3_serve.units import fmt_gib
 
 if TYPE_CHECKING:
-    from kimi_k3_serve.preflight import CpuMemoryNeed
+    from kimi_k3_serve.checks.preflight import CpuMemoryNeed
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _probe_bundle(bundle: int, read_gpus: bool) -> dict[str, Any]:
     import psutil
     import ray
 
-    from kimi_k3_serve.live import _read_gpus_on_node
+    from kimi_k3_serve.cluster.live import _read_gpus_on_node
 
     context = ray.get_runtime_context()
     return {
@@ -217,7 +217,7 @@ def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str],
 
 def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list[str]]:
     """Bundle -> ``GpuInfo`` of the GPU Ray gave it, from each node's NVML reading; and why any is missing."""
-    from kimi_k3_serve.nvml import parse_readings
+    from kimi_k3_serve.cluster.nvml import parse_readings
 
     found: dict[int, Any] = {}
     missing: list[str] = []
@@ -240,10 +240,10 @@ def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list
 
 def check_draft_target(args: ServeArgs) -> str | None:
     """An EAGLE3-family draft needs a target class that declares vLLM's ``SupportsEagle3`` on this platform
-    (``kimi_k3_serve.draft_target``): a line for the log, or ``ReplicaCheckError`` with the one-line refusal.
+    (``kimi_k3_serve.checks.draft_target``): a line for the log, or ``ReplicaCheckError`` with the one-line refusal.
     None when there is no draft."""
-    from kimi_k3_serve.args import resolve_source
-    from kimi_k3_serve.draft_target import decide_draft_target, gather_target_class
+    from kimi_k3_serve.config.args import resolve_source
+    from kimi_k3_serve.checks.draft_target import decide_draft_target, gather_target_class
 
     spec = args.speculative
     if spec is None:
@@ -302,7 +302,7 @@ def decide_replica(args: ServeArgs, gathered: ReplicaProbes, *, cpu_need: CpuMem
     last stage on the roomiest node) and the memory model on exactly those GPUs; on CPU the replica node's host
     memory against ``cpu_need`` (``preflight.CpuMemoryNeed`` of ``args``). Raises ``DoesNotFitError`` or
     ``ReplicaCheckError`` with the reason."""
-    from kimi_k3_serve.args_adapter import layout_of
+    from kimi_k3_serve.config.args_adapter import layout_of
 
     table, probes = gathered.table, gathered.probes
     lines = [f"placement group: {gathered.bundle_count} bundles on {len(set(table.values()))} node(s)"]
@@ -335,11 +335,11 @@ def decide_replica(args: ServeArgs, gathered: ReplicaProbes, *, cpu_need: CpuMem
 
 def _decide_gpus(args: ServeArgs, layout: Any, gathered: ReplicaProbes):
     """(bundle order, last stage's node, CheckReport or None, the memory line) on the reserved GPUs."""
-    from kimi_k3_serve.args_adapter import planner_inputs
-    from kimi_k3_serve.cluster import NodeInfo, rank_device
-    from kimi_k3_serve.placement import PlacementError, bundle_order, ranks_on_nodes, roomiest_node
-    from kimi_k3_serve.planner import memory_on_devices
-    from kimi_k3_serve.report import build_report, format_table
+    from kimi_k3_serve.config.args_adapter import planner_inputs
+    from kimi_k3_serve.planning.inventory import NodeInfo, rank_device
+    from kimi_k3_serve.planning.placement import PlacementError, bundle_order, ranks_on_nodes, roomiest_node
+    from kimi_k3_serve.planning.planner import memory_on_devices
+    from kimi_k3_serve.planning.report import build_report, format_table
 
     table, probes = gathered.table, gathered.probes
     by_bundle, missing = _gpus_by_bundle(probes)
@@ -381,7 +381,7 @@ def check_replica(args: ServeArgs, pg: Any, *, comm_backend: str | None = None,
                   probe_timeout_s: float = 60.0) -> ReplicaCheckResult:
     """The replica-start check on placement group ``pg`` for the validated ``ServeArgs`` ``args``: gather the
     probes, decide on them (``decide_replica``), then test the links between the stages' nodes."""
-    from kimi_k3_serve.preflight import cpu_need_of_args
+    from kimi_k3_serve.checks.preflight import cpu_need_of_args
 
     started = time.perf_counter()
     draft_line = check_draft_target(args)  # first: a target that cannot take the draft refuses in seconds
@@ -443,7 +443,7 @@ class ReplicaPreflight(_callback_base()):
                  args: Mapping[str, Any], comm_backend: str | None = None,
                  comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, **kwargs: Any) -> None:
         super().__init__(llm_config, raise_error_on_callback, ctx_kwargs, **kwargs)
-        from kimi_k3_serve.args import load_args
+        from kimi_k3_serve.config.args import load_args
 
         self.args = load_args(dict(args), source="callback_kwargs.args")
         self.comm_backend = comm_backend
@@ -479,12 +479,12 @@ class ReplicaPreflight(_callback_base()):
         from ray import serve
         from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import GangMasterInfoRegistry
 
-        from kimi_k3_serve.dp_replica import check_dp_replica
+        from kimi_k3_serve.checks.dp_replica import check_dp_replica
 
         gang = serve.get_replica_context().gang_context
         if gang is None:
             raise ReplicaCheckError("data_parallel_size > 1 but this replica has no gang context: deploy it with "
-                                    "Ray Serve LLM's DP builder (kimi_k3_serve.dp_serve)")
+                                    "Ray Serve LLM's DP builder (kimi_k3_serve.serving.dp_serve)")
         _, _, driver_node = await GangMasterInfoRegistry.get(gang.gang_id)
         return await asyncio.to_thread(check_dp_replica, self.args, pg, dp_rank=gang.rank, dp_size=gang.world_size,
                                        driver_node_id=driver_node, comm_backend=self.comm_backend,

@@ -23,9 +23,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from kimi_k3_serve.console import before_serve_llm_import, follow_serve_log_encoding
+from kimi_k3_serve.serving.console import before_serve_llm_import, follow_serve_log_encoding
 
-before_serve_llm_import()  # text, not JSON, for what the imports below log (kimi_k3_serve.console)
+before_serve_llm_import()  # text, not JSON, for what the imports below log (kimi_k3_serve.serving.console)
 
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError

@@ -1,8 +1,8 @@
 """Read a Serve config file (``deploy/*.yaml``) and return our application's validated ``args``.
 
 The file is checked against Ray Serve's own schema (``ServeDeploySchema``; for the common shape of a deploy file,
-without importing Ray, see ``kimi_k3_serve.serve_schema``), then the application whose
-``import_path`` is ``kimi_k3_serve.app:build_app`` is picked and its ``args`` validated by ``kimi_k3_serve.args``.
+without importing Ray, see ``kimi_k3_serve.config.serve_schema``), then the application whose
+``import_path`` is ``kimi_k3_serve.app:build_app`` is picked and its ``args`` validated by ``kimi_k3_serve.config.args``.
 Every problem (missing file, bad YAML, wrong import path, bad args) is one ``ConfigError`` naming the field.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from kimi_k3_serve.args import ServeArgs, config_error_from, dotted, load_args
+from kimi_k3_serve.config.args import ServeArgs, config_error_from, dotted, load_args
 from kimi_k3_serve.errors import ConfigError
 
 APP_IMPORT_PATH = "kimi_k3_serve.app:build_app"
@@ -34,7 +34,7 @@ class ServeApp:
     http_host: str
     http_port: int
     serve_schema: str = ""
-    """What accepted the file: ``ray`` (``ServeDeploySchema``) or ``snapshot`` (``kimi_k3_serve.serve_schema``)."""
+    """What accepted the file: ``ray`` (``ServeDeploySchema``) or ``snapshot`` (``kimi_k3_serve.config.serve_schema``)."""
 
 
 def read_serve_config(path: str | Path) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def _read_and_validate(path: str | Path) -> tuple[dict[str, Any], str]:
     if not isinstance(data, dict):
         raise ConfigError("config", type(data).__name__, "expected a mapping with `applications`", source=source)
 
-    from kimi_k3_serve.serve_schema import accepts_without_ray
+    from kimi_k3_serve.config.serve_schema import accepts_without_ray
 
     if accepts_without_ray(data):
         return data, "snapshot"

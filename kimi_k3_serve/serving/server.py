@@ -1,7 +1,7 @@
 """The LLM replica: Ray Serve LLM's ``LLMServer`` with a health check that notices a hung engine
-(``kimi_k3_serve.health``), stream batching that never delays the first token (``kimi_k3_serve.streaming``),
+(``kimi_k3_serve.serving.health``), stream batching that never delays the first token (``kimi_k3_serve.serving.streaming``),
 and, once the engine is up, the KV cache the replica check predicted against the one vLLM made
-(``kimi_k3_serve.kv_prediction``).
+(``kimi_k3_serve.checks.kv_prediction``).
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncGenerator, List, TypeVar
 
-from kimi_k3_serve.console import before_serve_llm_import, follow_serve_log_encoding
+from kimi_k3_serve.serving.console import before_serve_llm_import, follow_serve_log_encoding
 
-before_serve_llm_import()  # text, not JSON, for what the imports below log (kimi_k3_serve.console)
+before_serve_llm_import()  # text, not JSON, for what the imports below log (kimi_k3_serve.serving.console)
 
 from ray.serve.llm import LLMServer as _ServeLLMServer
 
-from kimi_k3_serve.health import EngineNotProgressingError, probe_engine, probe_timeout_s
-from kimi_k3_serve.kv_prediction import report_kv_cache_prediction
-from kimi_k3_serve.streaming import FirstChunkNowBatcher
+from kimi_k3_serve.serving.health import EngineNotProgressingError, probe_engine, probe_timeout_s
+from kimi_k3_serve.checks.kv_prediction import report_kv_cache_prediction
+from kimi_k3_serve.serving.streaming import FirstChunkNowBatcher
 
 logger = logging.getLogger(__name__)
 follow_serve_log_encoding()  # importing ray.serve.llm just set this process's root logger to JSON

@@ -2,7 +2,7 @@
 
 It searches the layouts vLLM 0.32 accepts for the model -- TP (dividing every count the model asserts on,
 inside one NVLink domain), PP (at most one stage per layer), expert parallelism on/off for MoE models, data-
-parallel attention with the experts over the TP x DP ranks for MoE models (``kimi_k3_serve.wide_ep``: DP sizes,
+parallel attention with the experts over the TP x DP ranks for MoE models (``kimi_k3_serve.planning.wide_ep``: DP sizes,
 per-engine KV pools, EPLB; PP = 1 unless pinned), and the PP layer partition (vLLM's default, or uneven ones that move layers off the last stage, which
 also holds lm_head and the draft) -- places every rank on a GPU (``placement.assign_ranks``), decides the
 kernel optimisations for that placement, and checks every GPU with the memory model. The best layout wins by
@@ -25,17 +25,17 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kimi_k3_serve.cluster import ClusterInventory, NodeInfo, rank_device
+from kimi_k3_serve.planning.inventory import ClusterInventory, NodeInfo, rank_device
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
-from kimi_k3_serve.hardware import find_gpu_by_device_name
-from kimi_k3_serve.layout import EngineSettings, Layout
-from kimi_k3_serve.memory import estimate_memory, resolved_batch, stage_layer_ranges
+from kimi_k3_serve.planning.hardware import find_gpu_by_device_name
+from kimi_k3_serve.planning.layout import EngineSettings, Layout
+from kimi_k3_serve.planning.memory import estimate_memory, resolved_batch, stage_layer_ranges
 from kimi_k3_serve.models.inventory import ModelInventory
-from kimi_k3_serve.optimisations import Optimisations, decide_optimisations
-from kimi_k3_serve.placement import RankPlacement, assign_ranks, placement_group_config, tp_groups
+from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
+from kimi_k3_serve.planning.placement import RankPlacement, assign_ranks, placement_group_config, tp_groups
 from kimi_k3_serve.units import fmt_gib
-from kimi_k3_serve.vllm_args import vllm_engine_args
-from kimi_k3_serve.wide_ep import dp_sizes, rationale, search_dp, total_concurrency
+from kimi_k3_serve.planning.vllm_args import vllm_engine_args
+from kimi_k3_serve.planning.wide_ep import dp_sizes, rationale, search_dp, total_concurrency
 
 OBJECTIVES = ("fewest-nodes", "max-concurrency", "fewest-gpus")
 TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
@@ -355,7 +355,7 @@ def plan(
                 else:
                     max_pp = min(model.num_layers, total_gpus // tp)
                     _search_pp(model, engine, view, tp, ep, 1, pins, max_pp, objective, candidates)
-            # DP x TP x EP: data-parallel attention, the experts over the TP x DP ranks (kimi_k3_serve.wide_ep).
+            # DP x TP x EP: data-parallel attention, the experts over the TP x DP ranks (kimi_k3_serve.planning.wide_ep).
             # Unpinned, only with EP: without it FusedMoE TP-shards every expert over all TP x DP ranks.
             if not ep and pins.dp is None:
                 continue
@@ -474,7 +474,7 @@ def _make_plan(model, engine, cluster, best: Candidate, objective, considered, e
         engine_kwargs=vllm.engine_kwargs,
         env_vars=vllm.env_vars,
         # Per Serve replica: with DP, Ray Serve LLM's DP builder runs one replica per DP rank (TP x PP bundles each)
-        # and gang-schedules the DP ranks (kimi_k3_serve.dp_serve).
+        # and gang-schedules the DP ranks (kimi_k3_serve.serving.dp_serve).
         placement_group_config=placement_group_config(replace(layout, dp=1), spec, gpus_per_node),
         cluster_source=cluster.source,
         objective=objective,

@@ -16,8 +16,8 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.hardware import lookup_gpu
-from kimi_k3_serve.layout import KV_CACHE_DTYPES, SPECULATIVE_METHODS
+from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, SPECULATIVE_METHODS
 
 ARGS_ROOT = "args"
 MODEL_CACHE_ENV = "KIMI_K3_SERVE_MODEL_CACHE"
@@ -77,7 +77,7 @@ class ModelArgs(Section):
 class AcceleratorArgs(Section):
     kind: Literal["cpu", "gpu"] = Field(default="gpu", description="Run vLLM on GPUs or (for development) on CPU.")
     type: str | None = Field(
-        default=None, description="GPU model, e.g. H200; must be in kimi_k3_serve.hardware's catalogue. GPU only."
+        default=None, description="GPU model, e.g. H200; must be in kimi_k3_serve.planning.hardware's catalogue. GPU only."
     )
 
     @model_validator(mode="after")
@@ -207,7 +207,7 @@ class DeploymentArgs(Section):
         description=(
             "How long the LLM replica gathers streamed chunks before sending them on to the ingress as one message "
             "(Ray Serve LLM's experimental_configs.stream_batching_interval_ms). The first chunk of every response "
-            "is sent at once whatever this is (kimi_k3_serve.streaming); later ones every interval. 0 sends every "
+            "is sent at once whatever this is (kimi_k3_serve.serving.streaming); later ones every interval. 0 sends every "
             "chunk alone, which costs the proxy and both replicas CPU per token (docs/benchmarks.md); null keeps "
             "Ray's default (50)."
         ),
@@ -432,7 +432,7 @@ def model_cache_dir() -> Path:
     configured = os.environ.get(MODEL_CACHE_ENV)
     if configured:
         return Path(configured)
-    return Path(__file__).resolve().parents[1] / ".cache" / "tiny-models"
+    return Path(__file__).resolve().parents[2] / ".cache" / "tiny-models"
 
 
 def source_kind(source: str) -> Literal["cache", "local", "remote"]:

@@ -13,7 +13,7 @@ Ray's own. Tests keep the shortcut honest: the snapshot must equal what the inst
 validators Ray attaches to these models must be the ones mirrored or ones that cannot fire on the fast fields,
 and on generated documents the shortcut must never accept what Ray rejects.
 
-    python -m kimi_k3_serve.serve_schema   # rewrite the snapshot from the installed Ray
+    python -m kimi_k3_serve.config.serve_schema   # rewrite the snapshot from the installed Ray
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-SNAPSHOT_PATH = Path(__file__).with_name("data") / "serve_deploy_schema.json"
+SNAPSHOT_PATH = Path(__file__).resolve().parents[1] / "data" / "serve_deploy_schema.json"
 
 FAST_FIELDS: dict[str, tuple[str, ...]] = {
     "ServeDeploySchema": ("applications", "http_options", "proxy_location", "target_capacity", "logging_config"),

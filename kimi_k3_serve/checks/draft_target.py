@@ -59,7 +59,7 @@ def decide_draft_target(method: str | None, architecture: str | None, supports: 
 def _hub_config(source: str) -> str | None:
     """config.json of a Hugging Face repo id ``owner/name``: from the local cache, else that one file fetched
     (the replica downloads the whole checkpoint right after this check anyway). None when neither works."""
-    from kimi_k3_serve.args import source_kind
+    from kimi_k3_serve.config.args import source_kind
 
     if source_kind(source) != "remote" or source.count("/") != 1:
         return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kimi_k3_serve.layout import EngineSettings, Layout
+from kimi_k3_serve.planning.layout import EngineSettings, Layout
 from kimi_k3_serve.models.inventory import KdaState, ModelInventory
 from kimi_k3_serve.units import MiB, round_up
 

@@ -1,0 +1,1 @@
+"""The renderers of Ray cluster launcher, KubeRay and fake-provider files."""

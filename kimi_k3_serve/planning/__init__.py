@@ -1,0 +1,1 @@
+"""The pure planner core: hardware catalogue, engine settings and layouts, KV cache, memory, kernel optimisations, placement, the planner, its report and the one translation to vLLM. Never imports ray, torch, vllm, yaml or pynvml."""
