@@ -263,7 +263,7 @@ class ClusterSnapshot:
     """What the check reads from the Ray cluster, once."""
 
     inventory: Any
-    """``cluster.ClusterInventory`` with NVML readings (live.py)."""
+    """``planning.inventory.ClusterInventory`` with NVML readings (``cluster/live.py``)."""
     slots: tuple[NodeSlot, ...]
     growable: tuple[GrowableType, ...]
     host_memory: dict[str, int]
