@@ -11,15 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kimi_k3_serve.checks.preflight import CPU_PROCESS_BYTES, cpu_memory_need
 from kimi_k3_serve.errors import DoesNotFitError
-from kimi_k3_serve.checks.preflight import (
-    CPU_PROCESS_BYTES,
-    GrowableType,
-    NodeSlot,
-    cpu_memory_need,
-    describe_bundles,
-    pack_bundles,
-)
+from kimi_k3_serve.planning.packing import GrowableType, NodeSlot, describe_bundles, pack_bundles
 from kimi_k3_serve.units import GiB
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +85,7 @@ def test_packer_and_memory_plan_assume_the_same_cluster_on_nodes_without_a_node_
     from dataclasses import replace
 
     from kimi_k3_serve.planning.inventory import ClusterInventory, NodeTypeCapacity, declared_cluster
-    from kimi_k3_serve.checks.preflight import growable_types
+    from kimi_k3_serve.planning.packing import growable_types
 
     present = declared_cluster("H200", 1).nodes[0]
     unlabelled = replace(present, node_type=None, resources={**present.resources, "CPU": 192.0, "node:10.0.0.2": 1.0})

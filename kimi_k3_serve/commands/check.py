@@ -76,7 +76,8 @@ def serve_llm_bundles(args: ServeArgs) -> tuple[list[dict[str, float]], str]:
 def declared_snapshot(inventory: Any):
     """A declared cluster as the packer sees it: every node empty; node types the autoscaler may grow, up to
     their max count. A resource a file does not declare (often CPU) is not checked."""
-    from kimi_k3_serve.checks.preflight import ClusterSnapshot, NodeSlot, growable_types
+    from kimi_k3_serve.checks.preflight import ClusterSnapshot
+    from kimi_k3_serve.planning.packing import NodeSlot, growable_types
 
     unchecked = float("inf")
     slots = []
