@@ -126,7 +126,7 @@ def llm_config_of(args: ServeArgs):
         from kimi_k3_serve.serving.dp_serve import DPServer as LLMServer
     else:
         from kimi_k3_serve.serving.server import LLMServer  # hang-aware health check, first token never batched
-    from kimi_k3_serve.checks.replica import replica_callback_config  # the check on the GPUs Serve reserved
+    from kimi_k3_serve.checks.replica_callback import replica_callback_config  # the check on the GPUs Serve reserved
 
     resolved = with_resolved_sources(args)
     vllm = vllm_engine_args_of(resolved)

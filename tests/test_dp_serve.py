@@ -43,7 +43,8 @@ def test_build_app_deploys_dp_through_ray_serve_llms_dp_builder(ray_head, tiny_m
     from kimi_k3_serve import app
     from kimi_k3_serve.config.args import load_args
     from kimi_k3_serve.cluster.files import load_cluster_file
-    from kimi_k3_serve.commands.render import deploy_pins, engine_settings, load_deploy_config, model_inventory
+    from kimi_k3_serve.commands.render import load_deploy_config
+    from kimi_k3_serve.config.args_adapter import deploy_pins, engine_settings, model_inventory
     from kimi_k3_serve.errors import DoesNotFitError
     from kimi_k3_serve.planning.planner import plan
 
@@ -120,7 +121,7 @@ def test_a_dp_rank_whose_tp_group_would_cross_domains_is_refused_by_rank():
     with pytest.raises(PlacementError, match="DP rank 0"):
         order_dp_ranks(Layout(tp=2, dp=2, ep=True), [[0, 1], [2, 3]], table, {}, {})
     # One NVLink domain over both nodes (NVL72 trays): the same slices are fine, and the lines say they share it.
-    from kimi_k3_serve.checks.dp_replica import describe_dp_ranks
+    from kimi_k3_serve.planning.dp_placement import describe_dp_ranks
 
     ranks = order_dp_ranks(Layout(tp=2, dp=2, ep=True), [[0, 1], [2, 3]], table, {"n0": "nvl72", "n1": "nvl72"}, {})
     text = "\n".join(describe_dp_ranks(ranks))

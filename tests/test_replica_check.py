@@ -122,7 +122,7 @@ def callback(pg, model_dir: Path):
     """The hook object exactly as Ray Serve LLM builds it from ``LLMConfig.callback_config``."""
     from ray.serve.llm import LLMConfig
 
-    from kimi_k3_serve.checks.replica import ReplicaPreflight
+    from kimi_k3_serve.checks.replica_callback import ReplicaPreflight
 
     raw = serve_args(model_dir)
     llm_config = LLMConfig(model_loading_config={"model_id": "llama-8b", "model_source": str(model_dir)},
@@ -218,7 +218,8 @@ def test_target_that_cannot_take_the_draft_is_refused_before_anything_else(tmp_p
     installed vLLM's registry, before it reads the placement group (here a bare object nothing may touch)."""
     from ray.serve.llm import LLMConfig
 
-    from kimi_k3_serve.checks.replica import ReplicaCheckError, ReplicaPreflight
+    from kimi_k3_serve.checks.replica import ReplicaCheckError
+    from kimi_k3_serve.checks.replica_callback import ReplicaPreflight
 
     model_dir = tmp_path / "mixtral"
     model_dir.mkdir()

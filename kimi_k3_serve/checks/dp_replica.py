@@ -4,7 +4,7 @@ every DP rank of the gang Serve actually reserved.
 Ray Serve LLM's ``DPServer`` (``kimi_k3_serve.serving.dp_serve``) gang-schedules one replica per DP rank into one placement
 group and gives DP rank *r* the bundles ``sorted[r * B : (r + 1) * B]`` (``DPServer._compute_bundle_indices``), where
 ``sorted`` is the gang's bundles grouped by node with DP rank 0's node first (``get_bundle_indices_sorted_by_node``)
-and ``B = TP x PP``. Each replica's check (``check_dp_replica``, run by ``replica.ReplicaPreflight`` before vLLM
+and ``B = TP x PP``. Each replica's check (``check_dp_replica``, run by ``replica_callback.ReplicaPreflight`` before vLLM
 loads anything):
 
 1. reads the gang's bundle-to-node table and DP rank 0's node (``GangMasterInfoRegistry``, which ``DPServer``
@@ -26,64 +26,10 @@ loads anything):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from kimi_k3_serve.errors import DoesNotFitError
-
-
-@dataclass(frozen=True)
-class DpRankPlacement:
-    dp_rank: int
-    bundles: tuple[int, ...]
-    """In the order vLLM's ranks take them (TP groups in one NVLink domain)."""
-    nodes: tuple[str, ...]
-    domains: tuple[str, ...]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Pure: words about where the DP ranks are
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def domain_sharing(ranks: Sequence[DpRankPlacement]) -> dict[str, list[int]]:
-    """NVLink domain -> the DP ranks with a GPU in it."""
-    out: dict[str, list[int]] = {}
-    for rank in ranks:
-        for domain in dict.fromkeys(rank.domains):
-            out.setdefault(domain, []).append(rank.dp_rank)
-    return out
-
-
-def describe_dp_ranks(ranks: Sequence[DpRankPlacement], *, max_lines: int = 8) -> list[str]:
-    """One line per DP rank (the first ``max_lines``), then which ranks share an NVLink domain."""
-    lines = []
-    for rank in ranks[:max_lines]:
-        nodes = ", ".join(dict.fromkeys(rank.nodes))
-        domains = ", ".join(dict.fromkeys(rank.domains))
-        lines.append(f"DP rank {rank.dp_rank}: {len(rank.bundles)} GPU(s) on {nodes} (NVLink domain {domains})")
-    if len(ranks) > max_lines:
-        lines.append(f"... and {len(ranks) - max_lines} more DP ranks")
-    sharing = domain_sharing(ranks)
-    shared = {d: r for d, r in sharing.items() if len(r) > 1}
-    if shared:
-        lines.append("DP ranks sharing an NVLink domain (their EP all-to-all stays on NVLink): "
-                     + "; ".join(f"{d}: {r}" for d, r in shared.items()))
-    if len(sharing) > 1:
-        lines.append(f"the EP group spans {len(sharing)} NVLink domains: all-to-all between them crosses the network")
-    else:
-        lines.append("every DP rank is in one NVLink domain")
-    return lines
-
-
-def dp_placement_lines(layout: Any, placements: Sequence[Any]) -> list[str]:
-    """The planner's placement (``planner.Plan.placements``) of a DP layout, in words, with the NVLink domains."""
-    ranks = []
-    for dp_rank in range(layout.dp):
-        mine = [p for p in placements if p.dp_rank == dp_rank]
-        ranks.append(DpRankPlacement(dp_rank, tuple(p.gpu_index for p in mine), tuple(p.node_id for p in mine),
-                                     tuple(p.nvlink_domain for p in mine)))
-    return [f"{layout.describe()}: {layout.dp} DP ranks of {layout.tp * layout.pp} GPU(s)"] + describe_dp_ranks(ranks)
+from kimi_k3_serve.planning.dp_placement import DpRankPlacement, describe_dp_ranks
 
 
 def dp_rank_slices(sorted_indices: Sequence[int], dp_size: int, bundles_per_rank: int, compute) -> list[list[int]]:
@@ -148,7 +94,7 @@ def check_dp_replica(args: Any, pg: Any, *, dp_rank: int, dp_size: int, driver_n
     from kimi_k3_serve.planning.inventory import NodeInfo, rank_device
     from kimi_k3_serve.planning.placement import PlacementError
     from kimi_k3_serve.planning.planner import memory_on_devices
-    from kimi_k3_serve.checks.preflight import planner_inputs
+    from kimi_k3_serve.config.args_adapter import planner_inputs
     from kimi_k3_serve.checks.replica import (
         ReplicaCheckError,
         ReplicaCheckResult,

@@ -1,6 +1,6 @@
 """Predicted vs actual KV cache, at every replica start.
 
-The replica-start check (``kimi_k3_serve.checks.replica.ReplicaPreflight``) sizes the KV pool on the GPUs Serve
+The replica-start check (``kimi_k3_serve.checks.replica_callback.ReplicaPreflight``) sizes the KV pool on the GPUs Serve
 reserved (``CheckReport.num_blocks`` / ``kv_cache_tokens``) before vLLM starts; once vLLM is up, its engine
 client holds what the engine core really made (``vllm_config.cache_config.num_gpu_blocks``, and
 ``kv_cache_size_tokens`` / ``kv_cache_max_concurrency``, all sent back in vLLM 0.32's

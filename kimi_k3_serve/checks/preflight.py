@@ -317,7 +317,7 @@ def _check_gpu_memory(args: ServeArgs, snapshot: ClusterSnapshot, started: float
     report = report_of_plan(result, time.perf_counter() - started)
     lines = [f"GPU memory: {report.verdict}"]
     if result.layout.dp > 1:
-        from kimi_k3_serve.checks.dp_replica import dp_placement_lines
+        from kimi_k3_serve.planning.dp_placement import dp_placement_lines
 
         lines.extend(dp_placement_lines(result.layout, result.placements))
     return result, report, lines

@@ -305,7 +305,9 @@ def start_engine(spec: dict[str, Any], env: dict[str, str], work: Path, timeout:
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         # Same process group as this command, so whoever stops it stops the engine's processes too.
-        proc = subprocess.Popen([sys.executable, "-m", "kimi_k3_serve.rehearsal.runner", str(spec_path)],
+        # vllm.LLM refuses DP > 1 in one process: dp_runner starts one process per DP rank
+        runner = "dp_runner" if int(spec["engine_kwargs"].get("data_parallel_size", 1)) > 1 else "runner"
+        proc = subprocess.Popen([sys.executable, "-m", f"kimi_k3_serve.rehearsal.{runner}", str(spec_path)],
                                 stdout=log, stderr=subprocess.STDOUT, env=child_env)
         shown = "start"
         while proc.poll() is None:

@@ -57,3 +57,12 @@ def run_dp(spec: dict) -> int:
     codes = [proc.exitcode for proc in procs]
     print(f"DP ranks' exit codes: {codes}", flush=True)
     return 0 if all(code == 0 for code in codes) else 3
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[1]) as f:
+        return run_dp(json.load(f))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -54,10 +54,6 @@ def run(spec: dict, marker_suffix: str = "") -> int:
 def main(argv: list[str]) -> int:
     with open(argv[1]) as f:
         spec = json.load(f)
-    if int(spec["engine_kwargs"].get("data_parallel_size", 1)) > 1:  # vllm.LLM refuses DP: one process per rank
-        from kimi_k3_serve.rehearsal.dp_runner import run_dp
-
-        return run_dp(spec)
     try:
         return run(spec)
     except BaseException as exc:  # the parent reads the step and the message; the traceback stays in the log
