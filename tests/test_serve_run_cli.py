@@ -1,6 +1,6 @@
 """``serve run deploy/dev.yaml``, Ray's own CLI as a user runs it (``make serve``'s last step), answers a request.
 
-A Ray head of this test's own (``ray start --head`` on 127.0.0.1, a private auth token, usage stats off), then
+A Ray head of this test's own (``ray start --head`` bound to 127.0.0.1 only, usage stats off), then
 ``serve run`` on the shipped dev config -- its HTTP port moved to a free one, nothing else changed -- and a chat
 completion through the stock ``openai`` client. Ctrl-C stops ``serve run``, as a user stops it.
 """
@@ -8,7 +8,6 @@ completion through the stock ``openai`` client. Ctrl-C stops ``serve run``, as a
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -47,14 +46,13 @@ def _status(url: str) -> int:
 
 
 @pytest.fixture
-def ray_cli_head(tiny_models, monkeypatch):
+def ray_cli_head(tiny_models):
     """``ray start --head --block`` of this test's own; yields (address, environment for Ray's CLIs, temp dir)."""
     temp_dir = tempfile.mkdtemp(prefix="kk3-cli-")
-    token = Path(temp_dir) / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
     port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "VLLM_LOGGING_LEVEL": "WARNING"}
+    # No token auth: this process joins the head too, and Ray reads its auth settings once per process, so a
+    # head with a token fails here after any earlier test's Ray. Bound to loopback, it is not reachable from outside.
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
     log = open(Path(temp_dir) / "ray-head.log", "w")
     head = subprocess.Popen(
         [sys.executable, "-c", "from ray.scripts.scripts import main; main()", "start", "--head", "--block",
@@ -67,8 +65,6 @@ def ray_cli_head(tiny_models, monkeypatch):
             assert head.poll() is None, (Path(temp_dir) / "ray-head.log").read_text()[-3000:]
             assert time.monotonic() - started < 120, "the Ray head did not start in 120 s"
             time.sleep(1)
-        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"):  # this process joins the head to check it
-            monkeypatch.setenv(name, env[name])
         yield f"{LOOPBACK}:{port}", env, temp_dir
     finally:
         _stop(head, signal.SIGTERM)  # `ray start --block` stops its own processes on SIGTERM
