@@ -64,12 +64,12 @@ def order_dp_ranks(layout: Any, slices: Sequence[Sequence[int]], table: Mapping[
 def tightest_gpu_by_bundle(probes: Sequence[Any]) -> tuple[dict[int, Any], list[str]]:
     """Bundle -> the ``GpuInfo`` with the least free memory on its node (probes that asked for no GPU: which GPU the
     bundle holds is not known, its node's tightest stands for it); and why any node has no reading."""
-    from kimi_k3_serve.cluster.nvml import parse_readings
+    from kimi_k3_serve.checks.replica import node_gpus
 
     found: dict[int, Any] = {}
     missing: list[str] = []
     for probe in probes:
-        gpus, reason = parse_readings(probe.reading or {"unavailable": "no reading"}, node_domain=f"node:{probe.node_id}")
+        gpus, reason = node_gpus(probe)
         if not gpus:
             missing.append(f"node {probe.node_id}: {reason}")
             continue

@@ -213,14 +213,19 @@ def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str],
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list[str]]:
-    """Bundle -> ``GpuInfo`` of the GPU Ray gave it, from each node's NVML reading; and why any is missing."""
+def node_gpus(probe: BundleProbe) -> tuple[list[Any], str | None]:
+    """The GPUs of a probe's node as its NVML reading lists them (``nvml.parse_readings``), or why there are none."""
     from kimi_k3_serve.cluster.nvml import parse_readings
 
+    return parse_readings(probe.reading or {"unavailable": "no reading"}, node_domain=f"node:{probe.node_id}")
+
+
+def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list[str]]:
+    """Bundle -> ``GpuInfo`` of the GPU Ray gave it, from each node's NVML reading; and why any is missing."""
     found: dict[int, Any] = {}
     missing: list[str] = []
     for probe in probes:
-        gpus, reason = parse_readings(probe.reading or {"unavailable": "no reading"}, node_domain=f"node:{probe.node_id}")
+        gpus, reason = node_gpus(probe)
         if not gpus:
             missing.append(f"node {probe.node_id}: {reason}")
             continue

@@ -29,7 +29,6 @@ from kimi_k3_serve.planning.kvcache import (
     StatePageSpec,
     group_layers,
     hybrid_block_size,
-    plan_pool,
 )
 from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice
 from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
@@ -396,7 +395,7 @@ def estimate_memory(
         budgets.append(budget)
         avail.append(budget - stage_costs[rank_stage[r]].non_kv_bytes)
     # Each DP rank is its own engine core that sizes its own pool (vLLM v1/engine/core.py _initialize_kv_caches).
-    pool = pools_per_engine(plan_pool, grouping, [local[rank_stage[r]] for r in range(world)], avail,
+    pool = pools_per_engine(grouping, [local[rank_stage[r]] for r in range(world)], avail,
                             ranks_per_engine=layout.tp * layout.pp, max_model_len=engine.max_model_len, dcp=layout.dcp)
     state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
     state_blocks = sum(g.blocks_per_request(engine.max_model_len) for g in state_groups)

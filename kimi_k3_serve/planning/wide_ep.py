@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.models.inventory import EXPERT, ModelInventory
+from kimi_k3_serve.planning.kvcache import KvGrouping, PoolResult, plan_pool
 from kimi_k3_serve.units import cdiv
 
 EPLB_MAX_EXPERT_REDUNDANCY = 1023
@@ -162,28 +163,20 @@ def eplb_costs(model: ModelInventory, layout: Any, num_redundant_experts: int, s
 
 
 @dataclass(frozen=True)
-class EnginePools:
-    """``kvcache.PoolResult``'s fields over the whole world, each DP engine sized on its own ranks."""
+class EnginePools(PoolResult):
+    """``kvcache.PoolResult`` over the whole world, each DP engine sized on its own ranks: per-worker fields over
+    every rank, the engine-wide figures (``num_blocks``, ``max_concurrency``, ...) of the smallest DP engine, the
+    figure every engine reaches."""
 
-    bytes_per_block: tuple[int, ...]
-    num_blocks_per_worker: tuple[int, ...]
-    num_blocks: int
-    """The smallest DP engine's blocks (the figure every engine reaches)."""
-    blocks_per_request: int
-    max_concurrency: float
-    """Of the smallest DP engine."""
-    kv_cache_tokens: int
-    needed_bytes: tuple[int, ...]
-    shortfall_bytes: tuple[int, ...]
     engine_concurrency: tuple[float, ...]
     """Requests of max_model_len each DP engine's pool holds, by DP rank."""
 
 
-def pools_per_engine(plan_pool: Callable[..., Any], grouping: Any, local: Sequence[frozenset[str]],
+def pools_per_engine(grouping: KvGrouping, local: Sequence[frozenset[str]],
                      available: Sequence[int], *, ranks_per_engine: int, max_model_len: int, dcp: int) -> EnginePools:
     """``plan_pool`` for each DP engine (``ranks_per_engine`` consecutive world ranks, vLLM's rank order);
     identical engines (same layers and KV bytes on every rank) are computed once."""
-    seen: dict[tuple, Any] = {}
+    seen: dict[tuple, PoolResult] = {}
     pools = []
     for first in range(0, len(available), ranks_per_engine):
         key = (tuple(local[first:first + ranks_per_engine]), tuple(available[first:first + ranks_per_engine]))
