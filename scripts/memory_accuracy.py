@@ -137,7 +137,7 @@ def accuracy(run_dir: Path) -> RunAccuracy:
         reading = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"))
         w = reading.workers[0] if reading.workers else None
         refused = _root_cause(reading.errors)
-        return RunAccuracy(run_dir.name, role, reading.started, "refused" if not reading.started else "fits", "refused",
+        return RunAccuracy(run_dir.name, role, reading.started, measured_verdict(reading), "refused",
                            (0, w.model_load_bytes if w else None), (0, None), (0, None), (0, None),
                            note=f"the plan now refuses these settings ({error}); vLLM: {refused}")
     rank = report.ranks[0]

@@ -92,6 +92,8 @@ def measured_verdict(reading: EngineReading) -> str:
         return "fits"
     if any("exceeds available Mamba cache blocks" in e for e in reading.errors):
         return "seqs_over_state_blocks"
+    if any("AssertionError" in e for e in reading.errors):
+        return "refused"  # vLLM asserted against the settings before sizing anything (fp8 KV without its flag)
     if any("KV cache" in e and ("needed" in e or "larger than" in e or "not enough" in e.lower()) for e in reading.errors):
         return "no_kv_space"
     return "unknown"
