@@ -6,6 +6,8 @@ sees no GPU (CI is CPU-only); scripts/gpu/run_all.sh runs them on the GPU host.
 - ``serve run deploy/gpu-rehearsal.yaml`` across two Ray nodes (two raylets, one GPU each): TP1 x PP2, DSpark on
   the last stage, the replica check on the reserved placement group (NVML -> Ray GPU ids, bundle order, NCCL across
   the nodes), the OpenAI API with the stock client, and vLLM's stage 1 on the node the plan chose;
+- ``serve run`` of the same app at DP2 x EP2 on one node of two GPUs (Ray Serve LLM's DP builder, a replica per
+  DP rank, the replica check on every rank);
 - the NCCL smoke test across two nodes, and its message when the second node's GPU is gone.
 
 Logs and readings go to ``$KIMI_K3_SERVE_GPU_OUT`` (default: a temp folder), to be kept as dated fixtures.
@@ -62,6 +64,8 @@ def rehearse(name: str, *flags: str, timeout: float = 900) -> dict:
     work = OUT / name
     cmd = [sys.executable, "-m", "kimi_k3_serve.cli", "rehearse", "--config", str(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml"),
            *flags, "--json", "--work-dir", str(work), "--timeout", str(timeout)]
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "job.json").write_text(json.dumps({"name": name, "command": cmd}))  # scripts/memory_accuracy.py replays it
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=timeout + 120)
     (work / "stderr.txt").write_text(done.stderr)
     assert done.stdout.strip(), f"rehearse printed nothing (exit {done.returncode}): {done.stderr[-2000:]}"
@@ -113,7 +117,7 @@ def start_two_node_cluster(second_gpu: str = "1"):
     return cluster, second, temp_dir
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_nodes():
     need_gpus(2)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -132,15 +136,20 @@ def _get(url: str, timeout: float = 5) -> int:
         return 0
 
 
-def one_gpu_config(out: Path) -> Path:
-    """deploy/gpu-rehearsal.yaml with one pipeline stage: the same app on the one GPU of a one-node cluster."""
+def rehearsal_config_with(out: Path, name: str, parallel: dict) -> Path:
+    """deploy/gpu-rehearsal.yaml with another ``args.parallel``: the same app in another layout."""
     import yaml
 
     config = yaml.safe_load((REPO_ROOT / "deploy" / "gpu-rehearsal.yaml").read_text())
-    config["applications"][0]["args"]["parallel"]["pipeline_parallel_size"] = 1
-    path = out / "gpu-rehearsal-pp1.yaml"
+    config["applications"][0]["args"]["parallel"] = parallel
+    path = out / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def one_gpu_config(out: Path) -> Path:
+    """One pipeline stage: the same app on the one GPU of a one-node cluster."""
+    return rehearsal_config_with(out, "gpu-rehearsal-pp1.yaml", {"tensor_parallel_size": 1, "pipeline_parallel_size": 1})
 
 
 def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check) -> None:
@@ -207,7 +216,7 @@ def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check)
                 (out / f"vllm-{p.name}").write_text(text[-400_000:])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_node():
     need_gpus(1)
     from ray.cluster_utils import Cluster
@@ -262,6 +271,43 @@ def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
                 "planned_last_stage_node": chosen[1]}
 
     serve_and_query(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml", cluster.address, temp_dir, OUT / "serve-two-nodes", check)
+
+
+@pytest.fixture
+def two_gpu_node():
+    need_gpus(2)
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
+    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 16, "num_gpus": 2, "include_dashboard": False, "temp_dir": temp_dir,
+        "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "CUDA_VISIBLE_DEVICES": "0,1"}})
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, temp_dir
+    finally:
+        cluster.shutdown()
+
+
+def test_serve_run_dp2_ep2_on_two_gpus(kimi_slice, two_gpu_node) -> None:
+    """Data-parallel attention with the experts over both GPUs, served: Ray Serve LLM's DP builder deploys one
+    DPServer replica per DP rank (gang-scheduled), each an engine with the whole attention, its own KV cache and
+    half of every MoE layer's experts; the replica check runs on every rank."""
+    cluster, temp_dir = two_gpu_node
+    out = OUT / "serve-dp2-ep2"
+    out.mkdir(parents=True, exist_ok=True)
+    config = rehearsal_config_with(out, "gpu-rehearsal-dp2-ep2.yaml", {
+        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 2, "enable_expert_parallel": True})
+
+    def check(logs: str) -> dict:
+        passed = re.findall(r"replica check passed in", logs)
+        assert len(passed) >= 2, f"the replica check passed on {len(passed)} DP rank(s), not 2"
+        ranks = sorted(set(re.findall(r"VLLM_RAY_BUNDLE_INDICES=([\d,]+) \(DP rank (\d)", logs)))
+        assert len({r for _, r in ranks}) == 2, ranks
+        return {"dp_rank_bundles": ranks, "replica_checks_passed": len(passed)}
+
+    serve_and_query(config, cluster.address, temp_dir, out, check)
 
 
 def _comm_test_on(cluster) -> str:

@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", default=None, help="where model configs, the spec and the log go (default: a temp dir)")
     parser.add_argument("--timeout", type=positive_int, default=1800.0, help="seconds before the engine is stopped (default 1800)")
     parser.add_argument("--dry-run", action="store_true", help="print the engine kwargs, env and prediction; start nothing")
+    parser.add_argument("--start-anyway", action="store_true",
+                        help="start vLLM even when the plan refuses the settings, to see what vLLM does with them")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -360,7 +362,13 @@ def run(ns: argparse.Namespace) -> int:
         device, labels = cluster_devices(args.parallel.world_size, args.accelerator.type)
     else:
         device, labels = local_devices(args.parallel.world_size, ns.dry_run)
-    report = predict(args, device)
+    try:
+        report = predict(args, device)
+    except ConfigError as refusal:
+        if not ns.start_anyway:
+            raise
+        # The plan refuses; vLLM is started all the same, and its verdict is set beside "refused".
+        return _run_refused(ns, args, target_dir, device, labels, work, refusal)
     kwargs, env = engine_of(args, target_dir, ns.executor, report.max_num_batched_tokens)
     result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels,
                               "plan": {"verdict": report.verdict, "fits": report.fits,
@@ -395,3 +403,40 @@ def run(ns: argparse.Namespace) -> int:
             print(f"vLLM failed: {failure['type']}: {failure['message'][-300:]}")
         print(f"vLLM log: {work / 'vllm.log'}")
     return EXIT_STARTED if ok else EXIT_FAILED
+
+
+def _run_refused(ns: argparse.Namespace, args: ServeArgs, target_dir: Path, device, labels: list[str], work: Path,
+                 refusal: ConfigError) -> int:
+    """``--start-anyway`` where the plan refused: vLLM's verdict on the same settings. Exit 0 when vLLM refuses
+    too (the plan was right), 1 when vLLM starts or fails otherwise (the plan's refusal is to be looked at)."""
+    from kimi_k3_serve.config.args_adapter import planner_inputs
+    from kimi_k3_serve.planning.memory import resolved_batch
+    from kimi_k3_serve.rehearsal.compare import measured_verdict
+    from kimi_k3_serve.rehearsal.runner import FAILED_MARKER, GENERATED_MARKER
+    from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
+
+    _, engine, _ = planner_inputs(args)
+    kwargs, env = engine_of(args, target_dir, ns.executor, resolved_batch(engine, device)[0])
+    result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels,
+                              "plan": {"verdict": "refused", "fits": False, "refusal": str(refusal)}}
+    if ns.dry_run:
+        print(json.dumps(result, indent=1) if ns.json else f"the plan refuses: {refusal}\nwould start vLLM with {json.dumps(kwargs)}")
+        return EXIT_STARTED
+    with PeakMemory() as peak:
+        code, log, seconds = start_engine({"model": str(target_dir), "engine_kwargs": kwargs}, env, work, ns.timeout,
+                                          progress=not ns.json)
+    reading = parse_vllm_log(log)
+    measured = measured_verdict(reading)
+    result.update(started=reading.started, exit_code=code, seconds=round(seconds, 1),
+                  generated=_marker(log, GENERATED_MARKER), failure=_marker(log, FAILED_MARKER),
+                  reading=reading.to_json(),
+                  comparison={"predicted_verdict": "refused", "measured_verdict": measured,
+                              "verdicts_agree": measured == "refused", "ranks": []},
+                  nvml_peak_used_bytes={str(k): v for k, v in sorted(peak.peak.items())}, log=str(work / "vllm.log"))
+    (work / "result.json").write_text(json.dumps(result, indent=1))
+    if ns.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"the plan refuses: {refusal}\nvLLM: {measured}" + (f" ({reading.errors[-1][-300:]})" if reading.errors else ""))
+        print(f"vLLM log: {work / 'vllm.log'}")
+    return EXIT_STARTED if measured == "refused" else EXIT_FAILED

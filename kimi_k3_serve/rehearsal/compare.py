@@ -94,6 +94,8 @@ def measured_verdict(reading: EngineReading) -> str:
         return "seqs_over_state_blocks"
     if any("AssertionError" in e for e in reading.errors):
         return "refused"  # vLLM asserted against the settings before sizing anything (fp8 KV without its flag)
+    if any("page size is not divisible by the maximum page size" in e for e in reading.errors):
+        return "refused"  # unify_kv_cache_spec_page_size: KV-cache specs vLLM cannot put in one pool
     if any("KV cache" in e and ("needed" in e or "larger than" in e or "not enough" in e.lower()) for e in reading.errors):
         return "no_kv_space"
     return "unknown"

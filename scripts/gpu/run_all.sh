@@ -9,7 +9,8 @@
 #   matrix-tp1     rehearsals on one GPU each, side by side (Kimi-K3 slices, Llama-3.1-8B, Qwen3-30B-A3B, DeepSeek-V2-Lite)
 #   tests-rehearse the GPU tests that rehearse a Kimi-K3 slice on one GPU and on two (pytest -m gpu -k rehearse)
 #   matrix-tp2     rehearsals on both GPUs (TP2, and PP2 on one node)
-#   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes + the NCCL test (pytest -m gpu -k "serve or nccl")
+#   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes, at DP2 x EP2, + the NCCL test (pytest -m gpu -k "serve or nccl")
+#                  (KIMI_K3_SERVE_GPU_TESTS="EXPR" runs the tests that pytest -k EXPR selects instead, in either tests phase)
 #   bench          serving speed, bare vLLM vs our Serve path (scripts/bench_serving.py --preset $KIMI_K3_SERVE_BENCH, default h200-llama-8b) -> $OUT/bench
 #   all            every phase in turn (a host without the 10-minute limit)
 # Each phase writes $OUT/<phase>.log and $OUT/<phase>.tar.gz (logs, readings, results), and $OUT/host.json once.
@@ -81,6 +82,7 @@ run_phase() {
     matrix-tp2) python3 scripts/gpu/matrix.py --set tp2 --deadline "$(left)" --work "$runs/tp2" --out "$out" "${matrix_args[@]}" ;;
     tests-rehearse|tests-serve)
       local k="rehearse"; [ "$1" = tests-serve ] && k="serve or nccl"
+      k="${KIMI_K3_SERVE_GPU_TESTS:-$k}"  # a pytest -k expression: the tests of this call only
       export KIMI_K3_SERVE_GPU_OUT="$runs/$1"
       mkdir -p "$KIMI_K3_SERVE_GPU_OUT"
       timeout "$(( $(left) - 10 ))" python3 -m pytest -m gpu tests/test_gpu.py -k "$k" -v -s -p no:cacheprovider \
