@@ -37,6 +37,10 @@ before the KV cache is sized belongs to ``profile``."""
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PID = re.compile(r"pid=(\d+)")
 _ASSIGNED = re.compile(r"rank (\d+) in world size (\d+) is assigned as DP rank (\d+), PP rank (\d+), (?:PCP rank \d+, )?TP rank (\d+)")
+_WORLD_RANK = re.compile(r"world_size=(\d+) rank=(\d+) local_rank=")
+"""parallel_state's init line, logged by every worker; "is assigned as" is logged by rank 0 only under the mp executor."""
+_WORKER_LABEL = re.compile(r"\(Worker((?:_[A-Z]+\d+)+) pid=")
+"""vLLM's worker prefix, e.g. ``(Worker_PP1_TP0 pid=..)``, ``(Worker_TP1 pid=..)``: the parallel ranks it names."""
 _LOADED = re.compile(r"Model loading took ([\d.]+) GiB memory")
 _AVAILABLE = re.compile(r"Available KV cache memory: (-?[\d.]+) GiB")
 _CG_ESTIMATE = re.compile(r"Estimated CUDA graph memory: ([\d.]+) GiB total")
@@ -180,8 +184,15 @@ def parse_vllm_log(text: str) -> EngineReading:
                 if not (name == "cuda_graphs" and step_index < STEPS.index("kv_cache")):  # V2: a profiling capture
                     step_index = max(step_index, STEPS.index(name))
                 break
+        if (label := _WORKER_LABEL.search(line)) and pid is not None:
+            ranks = dict(re.findall(r"_([A-Z]+)(\d+)", label[1]))
+            w = worker(pid)
+            w.setdefault("_pp", int(ranks.get("PP", 0)))
+            w.setdefault("_tp", int(ranks.get("TP", 0)))
         if m := _ASSIGNED.search(line):
             worker(pid).update(rank=int(m[1]), pp_rank=int(m[4]), tp_rank=int(m[5]))
+        elif m := _WORLD_RANK.search(line):
+            worker(pid).setdefault("_world_rank", int(m[2]))
         elif m := _LOADED.search(line):
             worker(pid)["model_load_bytes"] = _gib(m[1])
         elif m := _AVAILABLE.search(line):
@@ -220,6 +231,10 @@ def parse_vllm_log(text: str) -> EngineReading:
             stripped = line.strip()
             if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", stripped) or "ERROR" in line:
                 errors.append(stripped[-300:])
+    for w in workers.values():  # ranks the "is assigned as" line did not give: the init line's and the label's
+        world_rank, pp, tp = w.pop("_world_rank", None), w.pop("_pp", None), w.pop("_tp", None)
+        if w.get("rank") is None and world_rank is not None:
+            w.update(rank=world_rank, pp_rank=pp, tp_rank=tp)
     for w in workers.values():  # what the utilization line implies, where the summary line never came
         util, fraction = w.pop("_util", None), w.pop("_cg_fraction", None)
         total = w.get("total_bytes")

@@ -82,13 +82,13 @@ SETS: dict[str, list[Job]] = {
     # Both GPUs of the host.
     "tp2": [
         kimi("k4-tp2-serve-defaults-dspark", 4, tp=2, expected_s=300),
-        kimi("k4-pp2-serve-defaults-dspark", 4, pp=2, expected_s=300),
+        kimi("k4-pp2-serve-defaults-dspark", 4, pp=2, expected_s=200),
         kimi("k8-tp2-b8192-s1024-u092-eagle3", 8, tp=2, tokens=8192, seqs=1024, draft=EAGLE3, expected_s=300,
              extra=("--start-anyway",)),
         kimi("k8-pp2-b2048-s256-u080-fp8kv", 8, pp=2, util=0.80, kv="fp8", expected_s=300),
         # Data-parallel attention with the experts over both GPUs (DP2 x EP2): one engine per GPU, each with the
         # whole attention, its own KV cache and KDA states, and 448 of a layer's 896 experts.
-        kimi("k4-dp2-ep2-serve-defaults-dspark", 4, dp=2, ep=True, expected_s=360),
+        kimi("k4-dp2-ep2-serve-defaults-dspark", 4, dp=2, ep=True, expected_s=240),
     ],
 }
 
