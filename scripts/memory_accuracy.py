@@ -48,12 +48,17 @@ SERVE_RUNS = {
     # `serve run` of deploy/gpu-rehearsal.yaml at PP1 (tests/test_gpu.py::test_serve_run_on_one_gpu). Its vllm.log is
     # the replica's and the Ray worker's logs together. max_num_batched_tokens is what the replica's engine chose.
     "serve-one-gpu": matrix.kimi("serve-one-gpu", 4, tokens=8192, seqs=64, util=0.85),
+    # The same app at PP2 across two Ray nodes (test_serve_run_across_two_ray_nodes, 2 x H200): its vllm.log is the
+    # replica's log and both stages' worker logs.
+    "serve-two-nodes": matrix.kimi("serve-two-nodes", 4, pp=2, tokens=8192, seqs=64, util=0.85),
 }
 """Engines that Ray Serve started (not a rehearsal): the rehearsal flags with the deploy config's settings."""
 
 
 @dataclass(frozen=True)
 class RunAccuracy:
+    """One GPU of one run: plan / vLLM for each estimate (vLLM's value None where that rank did not log it)."""
+
     name: str
     role: str
     started: bool
@@ -64,6 +69,12 @@ class RunAccuracy:
     cuda_graph: tuple[int, int | None]
     kv: tuple[int, int | None]
     note: str = ""
+    rank: int = 0
+    ranks: int = 1
+
+    @property
+    def label(self) -> str:
+        return self.name if self.ranks == 1 else f"{self.name} (rank {self.rank})"
 
     @staticmethod
     def error(pair: tuple[int, int | None]) -> float | None:
@@ -91,12 +102,14 @@ def _recorded_flags(run_dir: Path) -> list[str]:
         return list(_job(run_dir.name).args)
     flags = command[command.index("rehearse") + 1:]
     out, skip = [], False
-    for flag in flags:  # where the run wrote, and how long it could take, do not change the prediction
+    for i, flag in enumerate(flags):  # where the run wrote, and how long it could take, do not change the prediction
         if skip:
             skip = False
         elif flag in ("--work-dir", "--timeout"):
             skip = True
         elif flag != "--json":
+            if i and flags[i - 1] == "--config":  # the host's checkout: the same file in this one
+                flag = str(ROOT / "deploy" / Path(flag).name)
             out.append(flag)
     return out
 
@@ -121,7 +134,7 @@ def predict_run(run_dir: Path):
     return report, reading
 
 
-def accuracy(run_dir: Path) -> RunAccuracy:
+def accuracy(run_dir: Path) -> list[RunAccuracy]:
     from kimi_k3_serve.errors import ConfigError
     from kimi_k3_serve.rehearsal.compare import measured_verdict
     from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
@@ -137,30 +150,34 @@ def accuracy(run_dir: Path) -> RunAccuracy:
         reading = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"))
         w = reading.workers[0] if reading.workers else None
         refused = _root_cause(reading.errors)
-        return RunAccuracy(run_dir.name, role, reading.started, measured_verdict(reading), "refused",
-                           (0, w.model_load_bytes if w else None), (0, None), (0, None), (0, None),
-                           note=f"the plan now refuses these settings ({error}); vLLM: {refused}")
-    rank = report.ranks[0]
-    w = reading.worker_of_rank(0) or (reading.workers[0] if reading.workers else None)
-    load = w.model_load_bytes if w else None
-    kv = w.available_kv_bytes if w else None
-    cg = w.cuda_graph_estimate_bytes if w else None
-    profile = w.profiled_non_kv_bytes if w else None
+        return [RunAccuracy(run_dir.name, role, reading.started, measured_verdict(reading), "refused",
+                            (0, w.model_load_bytes if w else None), (0, None), (0, None), (0, None),
+                            note=f"the plan now refuses these settings ({error}); vLLM: {refused}")]
     measured = measured_verdict(reading)
     if not reading.started and reading.oom is None:
         why = (f"vLLM stopped: {_root_cause(reading.errors)}" if reading.errors
                else "stopped at the call's deadline while loading: weights only")
         note = (note + "; " if note else "") + why
-    return RunAccuracy(
-        name=run_dir.name, role=role, started=reading.started, measured_verdict=measured,
-        predicted_verdict=report.verdict, weights=(rank.weights_bytes + rank.draft_bytes, load),
-        profile=(rank.activation_bytes + rank.non_torch_bytes + rank.workspace_bytes, profile),
-        cuda_graph=(rank.cuda_graph_bytes, cg), kv=(rank.kv_cache_bytes, kv), note=note,
-    )
+    out = []
+    for rank in report.ranks:  # one row per GPU of the engine (a DP run: one engine's, DP rank 0)
+        w = reading.worker_of_rank(rank.rank)
+        if w is None and len(report.ranks) == 1 and reading.workers:
+            w = reading.workers[0]
+        get = (lambda name: getattr(w, name)) if w is not None else (lambda name: None)
+        out.append(RunAccuracy(
+            name=run_dir.name, role=role, started=reading.started, measured_verdict=measured,
+            predicted_verdict=report.verdict, weights=(rank.weights_bytes + rank.draft_bytes, get("model_load_bytes")),
+            profile=(rank.activation_bytes + rank.non_torch_bytes + rank.workspace_bytes, get("profiled_non_kv_bytes")),
+            cuda_graph=(rank.cuda_graph_bytes, get("cuda_graph_estimate_bytes")),
+            kv=(rank.kv_cache_bytes, get("available_kv_bytes")), note=note if rank.rank == 0 else "",
+            rank=rank.rank, ranks=len(report.ranks),
+        ))
+    return out
 
 
 def all_runs() -> list[RunAccuracy]:
-    return [accuracy(d) for d in sorted(FIXTURES.glob("*/*")) if (d / "vllm.log").is_file() and d.name != "k8-tp1-b2048-s256-eagle3"]
+    return [row for d in sorted(FIXTURES.glob("*/*")) if (d / "vllm.log").is_file() and d.name != "k8-tp1-b2048-s256-eagle3"
+            for row in accuracy(d)]
 
 
 def _cell(pair: tuple[int, int | None]) -> str:
@@ -189,7 +206,7 @@ def render(runs: list[RunAccuracy]) -> str:
     ]
     for r in runs:
         verdict = f"{r.predicted_verdict} / {r.measured_verdict}"
-        lines.append(f"| {r.name} | {r.role} | {_cell(r.weights)} | {_cell(r.profile)} | {_cell(r.cuda_graph)} | "
+        lines.append(f"| {r.label} | {r.role} | {_cell(r.weights)} | {_cell(r.profile)} | {_cell(r.cuda_graph)} | "
                      f"{_cell(r.kv)} | {verdict} |")
     lines.append("")
     for r in runs:
@@ -202,12 +219,12 @@ def render(runs: list[RunAccuracy]) -> str:
                 for e in [RunAccuracy.error(getattr(r, kind))] if e is not None]
 
     weights, kv_all, kv_val = errors("weights"), errors("kv"), errors("kv", "validation")
-    verdicts = [r for r in runs if r.measured_verdict != "unknown"]
+    verdicts = [r for r in runs if r.measured_verdict != "unknown" and r.rank == 0]  # a verdict is the run's
     lines += [
         "## Against the goals",
         "",
         f"- Weights per GPU (goal <= 0.5 % on every run): max {max(weights) * 100:.2f} %, median "
-        f"{statistics.median(weights) * 100:.2f} % over {len(weights)} runs.",
+        f"{statistics.median(weights) * 100:.2f} % over {len(weights)} GPUs of {len({r.name for r in runs if r.weights[0]})} runs.",
         f"- KV pool per GPU (goal <= 1 % median, <= 3 % on validation runs): median {statistics.median(kv_all) * 100:.2f} %, "
         f"max {max(kv_all) * 100:.2f} % over {len(kv_all)} runs; validation runs with a KV cache: {len(kv_val)}"
         + (f" (max {max(kv_val) * 100:.2f} %)" if kv_val else " -- every run that reached the KV cache was used for fitting, "

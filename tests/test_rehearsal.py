@@ -143,7 +143,7 @@ accuracy = load_script("memory_accuracy")
 
 @pytest.fixture(scope="module")
 def runs():
-    return {r.name: r for r in accuracy.all_runs()}  # a name recorded twice keeps its latest date's run
+    return {r.label: r for r in accuracy.all_runs()}  # a name recorded twice keeps its latest date's run
 
 
 def test_weights_within_half_a_percent_on_every_run(runs) -> None:
@@ -332,3 +332,67 @@ def test_replica_start_comparison_on_the_h200_slice_run_compares_capacity_not_bl
     c = comparison_of(report, cache)
     assert (c.vllm_blocks, c.vllm_tokens) == (9743, 1_900_348) and report.num_blocks != 9743
     assert c.within_margin and abs(c.error) < 0.01, c.line
+
+
+def test_parser_gives_every_worker_its_rank_on_two_gpus() -> None:
+    """Under the mp executor only rank 0 logs "is assigned as": the others' ranks come from parallel_state's init
+    line and their Worker_TPn / Worker_PPn label (2 x H200, 2026-11-30)."""
+    two = REPO_ROOT / "tests" / "fixtures" / "gpu" / "2026-11-30-two-gpus"
+    tp2 = parse_vllm_log((two / "rehearse-tp2" / "vllm.log").read_text())
+    assert [(w.rank, w.pp_rank, w.tp_rank) for w in tp2.workers] == [(0, 0, 0), (1, 0, 1)]
+    assert tp2.worker_of_rank(1).model_load_bytes == round(30.03 * GiB)
+    pp2 = parse_vllm_log((two / "k4-pp2-serve-defaults-dspark" / "vllm.log").read_text())
+    assert [(w.rank, w.pp_rank, w.tp_rank) for w in pp2.workers] == [(0, 0, 0), (1, 1, 0)]
+    assert pp2.worker_of_rank(1).model_load_bytes == round(40.68 * GiB)  # the last stage holds the draft
+    two_nodes = parse_vllm_log((two / "serve-two-nodes" / "vllm.log").read_text())  # Ray workers: both log it
+    assert [(w.rank, w.pp_rank) for w in two_nodes.workers] == [(0, 0), (1, 1)] and two_nodes.started
+
+
+def test_unifiable_pages_refused_by_vllm_read_as_refused() -> None:
+    from kimi_k3_serve.rehearsal.vllm_log import EngineReading
+
+    line = ("(EngineCore pid=1) ERROR 11-30 [core.py:1] NotImplementedError: Layer model.layers.9.self_attn.attn: page size "
+            "is not divisible by the maximum page size and cannot be padded. Padding is only supported for non-MLA attention layers.")
+    assert measured_verdict(parse_vllm_log(line)) == "refused"
+    assert measured_verdict(EngineReading(workers=(), last_step="start", oom=None, errors=())) == "unknown"
+
+
+def test_rehearse_start_anyway_where_the_plan_refuses(capsys) -> None:
+    """The plan refuses a GQA EAGLE3 draft beside the slice's MLA pages; --start-anyway still starts vLLM (here a
+    dry run: what it would start), so vLLM's own verdict is read beside the plan's."""
+    flags = ["rehearse", "--model", "moonshotai/Kimi-K3", "--layers", "8", "--max-model-len", "8192",
+             "--speculative-config", '{"method": "eagle3", "model": "kimi-k3-eagle3", "num_speculative_tokens": 3}',
+             "--dry-run", "--json"]
+    assert main(flags) == 2  # without it: one clear line, exit 2
+    assert "cannot unify these page sizes" in capsys.readouterr().err
+    assert main([*flags, "--start-anyway"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["verdict"] == "refused" and "page" in out["plan"]["refusal"]
+    assert out["engine_kwargs"]["speculative_config"]["method"] == "eagle3"
+
+
+def test_engine_processes_that_outlive_the_run_are_stopped(tmp_path) -> None:
+    """A DP rank leaves with os._exit and its engine core is orphaned with the GPU: the rehearsal remembers every
+    process the run started and stops those still alive when it ends."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from kimi_k3_serve.commands.rehearse import _Descendants
+
+    orphan_pid = tmp_path / "orphan.pid"
+    script = ("import os, subprocess, sys, time\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(orphan_pid)!r}, 'w').write(str(p.pid))\n"
+              "time.sleep(3)\nos._exit(0)\n")
+    run = subprocess.Popen([sys.executable, "-c", script])
+    seen = _Descendants(run.pid)
+    while run.poll() is None:
+        seen.update()
+        time.sleep(0.2)
+    orphan = psutil.Process(int(orphan_pid.read_text()))
+    assert orphan.is_running()  # outlived the run
+    assert seen.kill_survivors() == 1
+    assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE

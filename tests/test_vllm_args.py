@@ -78,3 +78,28 @@ def test_without_a_deploy_config_the_plan_proposes_its_kernel_environment():
     # a deploy config's environment is deployed as written
     configured = EngineSettings(max_model_len=1024, env_vars={"NCCL_DEBUG": "WARN"})
     assert env_vars(Layout(tp=8), configured, decided) == {"NCCL_DEBUG": "WARN"}
+
+
+def test_breakable_cuda_graphs_are_pinned_for_every_process_of_a_kimi_engine():
+    """vLLM turns VLLM_USE_BREAKABLE_CUDAGRAPH on for Kimi-K3 in whichever process builds a config first; under Ray the
+    pipeline stages then disagree on the CUDA-graph mode (serve-two-nodes, 2026-11-30). The engine's environment pins it."""
+    from kimi_k3_serve.planning.vllm_args import BREAKABLE_CUDAGRAPH_ENV
+
+    gpu = EngineSettings(max_model_len=1024)
+    assert env_vars(Layout(pp=2), gpu, architecture="KimiLinearForCausalLM") == {BREAKABLE_CUDAGRAPH_ENV: "1"}
+    assert env_vars(Layout(pp=2), gpu, architecture="LlamaForCausalLM") == {}  # vLLM leaves it off: so do we
+    eager = EngineSettings(max_model_len=1024, enforce_eager=True)
+    assert BREAKABLE_CUDAGRAPH_ENV not in env_vars(Layout(pp=2), eager, architecture="KimiLinearForCausalLM")
+    cpu = EngineSettings(max_model_len=1024, accelerator="cpu")
+    assert BREAKABLE_CUDAGRAPH_ENV not in env_vars(Layout(), cpu, architecture="KimiLinearForCausalLM")
+    opted_out = EngineSettings(max_model_len=1024, env_vars={BREAKABLE_CUDAGRAPH_ENV: "0"})  # the config's word wins
+    assert env_vars(Layout(pp=2), opted_out, architecture="KimiLinearForCausalLM") == {BREAKABLE_CUDAGRAPH_ENV: "0"}
+
+
+def test_the_rehearsal_config_deploys_the_pin(slice_cache, monkeypatch):
+    from kimi_k3_serve.app import llm_config_of
+    from kimi_k3_serve.planning.vllm_args import BREAKABLE_CUDAGRAPH_ENV
+
+    monkeypatch.setenv("KIMI_K3_SERVE_MODEL_CACHE", str(slice_cache))
+    deployed = llm_config_of(load_serve_app(REPO / "deploy" / "gpu-rehearsal.yaml").args)
+    assert deployed.runtime_env["env_vars"][BREAKABLE_CUDAGRAPH_ENV] == "1"

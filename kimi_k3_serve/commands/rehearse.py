@@ -312,7 +312,9 @@ def start_engine(spec: dict[str, Any], env: dict[str, str], work: Path, timeout:
         proc = subprocess.Popen([sys.executable, "-m", f"kimi_k3_serve.rehearsal.{runner}", str(spec_path)],
                                 stdout=log, stderr=subprocess.STDOUT, env=child_env)
         shown = "start"
+        seen = _Descendants(proc.pid)
         while proc.poll() is None:
+            seen.update()
             if time.monotonic() - t0 > timeout:
                 _kill_tree(proc.pid)
                 print(f"rehearse: stopped after {timeout:.0f} s (--timeout)", file=sys.stderr, flush=True)
@@ -324,7 +326,43 @@ def start_engine(spec: dict[str, Any], env: dict[str, str], work: Path, timeout:
                     shown = step
                     print(f"rehearse: {step} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
         code = proc.wait()
+    left = seen.kill_survivors()
+    if left:
+        print(f"rehearse: stopped {left} engine process(es) that outlived the run", file=sys.stderr, flush=True)
     return code, log_path.read_text(errors="replace"), time.monotonic() - t0
+
+
+class _Descendants:
+    """Every process the engine run started, as seen while it ran. A DP rank leaves with ``os._exit`` and its
+    engine core and workers are orphaned, still holding the GPU (2 x H200, 2026-11-30: the next start found
+    4.79 GiB free of 139.80); they are no longer the run's children when it ends, so they are remembered."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self._parent = psutil.Process(pid)
+        self._seen: dict[int, Any] = {}
+
+    def update(self) -> None:
+        import psutil
+
+        try:
+            for child in self._parent.children(recursive=True):
+                self._seen.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            pass
+
+    def kill_survivors(self) -> int:
+        import psutil
+
+        alive = [p for p in self._seen.values() if p.is_running()]  # is_running also rules out a reused pid
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=30)
+        return len(alive)
 
 
 def _kill_tree(pid: int) -> None:

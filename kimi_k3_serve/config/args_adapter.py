@@ -120,4 +120,8 @@ def planner_inputs(args: ServeArgs):
 
 def vllm_engine_args_of(args: ServeArgs) -> VllmEngineArgs:
     """What ``build_app`` deploys for ``args`` (sources already resolved: ``args.with_resolved_sources``)."""
-    return vllm_engine_args(layout_of(args), engine_settings(args))
+    try:
+        architecture = model_inventory(args.model.source, field="args.model.source").architecture
+    except ConfigError:  # a source only vLLM can read: its environment is vLLM's own choice
+        architecture = None
+    return vllm_engine_args(layout_of(args), engine_settings(args), architecture=architecture)

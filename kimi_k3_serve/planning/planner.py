@@ -462,7 +462,7 @@ def _make_plan(model, engine, cluster, best: Candidate, objective, considered, e
     first_gpu = next(g for n in cluster.gpu_nodes for g in n.gpus if n.node_id == best.placements[0].node_id)
     spec = find_gpu_by_device_name(first_gpu.name)
     gpus_per_node = max(node.gpu_count for node in cluster.gpu_nodes)
-    vllm = vllm_engine_args(layout, engine, best.optimisations)
+    vllm = vllm_engine_args(layout, engine, best.optimisations, architecture=model.architecture)
     return Plan(
         model=model,
         engine=engine,

