@@ -295,16 +295,25 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, on_term)
-    # Several heads share the host: each would size its object store at 30 % of the RAM (in /dev/shm); tokens
-    # travel as small messages, so a small store each keeps them from crowding one another out.
-    ray.init(address="local", num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _temp_dir=temp_dir,
-             log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES)
+    engine = engine_from_config(config, tensor_parallel_size)
+    stages = int(engine.engine_kwargs.get("pipeline_parallel_size", 1))
+    cluster = None
+    if engine.accelerator == "gpu" and stages > 1:
+        # The planner puts pipeline stages on distinct nodes: one raylet per stage, each with its own GPUs, as on
+        # several machines (the GPU tests' two-node cluster).
+        cluster = stage_per_node_cluster(stages, int(engine.engine_kwargs.get("tensor_parallel_size", 1)), temp_dir)
+        ray.init(address=cluster.address, log_to_driver=False)
+    else:
+        # Several heads share the host: each would size its object store at 30 % of the RAM (in /dev/shm); tokens
+        # travel as small messages, so a small store each keeps them from crowding one another out.
+        ray.init(address="local", num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _temp_dir=temp_dir,
+                 log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         from kimi_k3_serve.app import build_app, llm_config_of
         from kimi_k3_serve.config.args import load_args
 
-        raw_args = side_args(engine_from_config(config, tensor_parallel_size).raw_args, side, api_key_file)
+        raw_args = side_args(engine.raw_args, side, api_key_file)
         if side == "direct":
             # Ray Serve LLM refuses a custom ingress in this mode: the same LLMConfig (engine, LLM replica class)
             # without our OpenAI-errors/API-key ingress, which is not in the path any more.
@@ -322,7 +331,27 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
             serve.shutdown()
         finally:
             ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
     return 0
+
+
+def stage_per_node_cluster(stages: int, gpus_per_stage: int, temp_dir: str):
+    """``ray.cluster_utils.Cluster`` of one raylet per pipeline stage on this host, raylet i seeing GPUs
+    ``i x gpus_per_stage ..`` (its ``CUDA_VISIBLE_DEVICES``)."""
+    from ray.cluster_utils import Cluster
+
+    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)  # Ray records the address there
+    def node(i: int) -> dict[str, Any]:
+        gpus = ",".join(str(i * gpus_per_stage + g) for g in range(gpus_per_stage))
+        return {"num_cpus": RAY_LOGICAL_CPUS, "num_gpus": gpus_per_stage, "object_store_memory": OBJECT_STORE_BYTES,
+                "env_vars": {"CUDA_VISIBLE_DEVICES": gpus, "RAY_USAGE_STATS_ENABLED": "0"}}
+
+    cluster = Cluster(initialize_head=True, head_node_args={**node(0), "include_dashboard": False, "temp_dir": temp_dir})
+    for i in range(1, stages):
+        cluster.add_node(**node(i))
+    cluster.wait_for_nodes()
+    return cluster
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1137,6 +1166,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "concurrency": [1, 8, 64, 256], "rounds": 3, "input_len": 1024, "output_len": 256,
         "prompts_per_concurrency": 1, "min_prompts": 2, "sequential": True, "warmup_concurrency": 16,
         "profile_concurrency": 64, "profile_sides": ["serve"],
+    },
+    # The layouts of the slice on 2 x H200 (what each layout costs): TP2 on one node against PP2, each against
+    # bare vLLM with the same engine; one side on the GPUs at a time.
+    "h200-kimi-slice-tp2": {
+        "config": "deploy/bench-h200-kimi-slice-tp2.yaml", "sides": ["vllm", "serve"], "concurrency": [1, 8, 64, 256],
+        "rounds": 2, "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
+        "sequential": True, "warmup_concurrency": 16,
+    },
+    "h200-kimi-slice-pp2": {
+        "config": "deploy/bench-h200-kimi-slice-pp2.yaml", "sides": ["vllm", "serve"], "concurrency": [1, 8, 64, 256],
+        "rounds": 2, "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
+        "sequential": True, "warmup_concurrency": 16,
     },
     # The H200 run's code path on this machine's CPU (deploy/dev.yaml's tiny model at TP1): what run_all.sh bench
     # does, small enough for 2 cores.

@@ -138,7 +138,7 @@ def bench_model_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice"])
+@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice", "h200-kimi-slice-tp2", "h200-kimi-slice-pp2"])
 def test_gpu_presets_give_every_side_the_same_engine(bench_serving, bench_model_cache, preset):
     """The H200 configs: valid args, bare vLLM's command line parses (vLLM's own parser) into the engine Serve
     gets, with dummy weights and the batch limits `vllm serve` would pick on an H200 set for every side."""
@@ -163,13 +163,15 @@ def test_gpu_presets_give_every_side_the_same_engine(bench_serving, bench_model_
     assert len(tokenizer["model"]["vocab"]) >= config["vocab_size"]  # every id the dummy model emits decodes
 
 
-@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice"])
+@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice", "h200-kimi-slice-tp2", "h200-kimi-slice-pp2"])
 def test_gpu_bench_configs_pass_the_pre_launch_check_on_one_h200(bench_serving, bench_model_cache, preset):
-    """What `serve run` checks before it deploys a Serve side: the config fits one H200 by the planner."""
+    """What `serve run` checks before it deploys a Serve side: the config fits H200s by the planner."""
     from kimi_k3_serve.cli import main
 
     config = str(REPO_ROOT / bench_serving.PRESETS[preset]["config"])
-    assert main(["check", "--config", config, "--cluster", str(REPO_ROOT / "tests/fixtures/check/h200-1x8.yaml")]) == 0
+    # PP2 is served across two nodes (the benchmark starts one raylet per stage): the two-node cluster file
+    cluster = "h200-2x8.yaml" if preset.endswith("-pp2") else "h200-1x8.yaml"
+    assert main(["check", "--config", config, "--cluster", str(REPO_ROOT / "tests/fixtures/check" / cluster)]) == 0
 
 
 def test_the_shared_gpu_is_split_so_every_engine_gets_the_same_kv_cache(bench_serving, bench_model_cache):
