@@ -661,8 +661,12 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                 draft: ModelInventory | None) -> tuple[int, int, str]:
     """Peak transient memory of vLLM's profile run: one forward at ``max_num_batched_tokens`` tokens, then, on the
     last stage, the sampler at ``max_num_seqs`` requests while the forward's output is still held (the two add up)."""
-    fwd = _forward_activation(model, layout, mnbt, start, end)
-    basis = f"forward at max_num_batched_tokens={mnbt}"
+    # With DP x EP, vLLM 0.32's default all2all (AgRsAll2AllManager, distributed/device_communicators/all2all.py;
+    # MoEPrepareAndFinalizeNaiveDPEPModular, fused_moe/prepare_finalize/naive_dp_ep.py) all-gathers every DP rank's
+    # tokens before the experts, so each rank's MoE runs on dp x the batch in the profile run.
+    gathered = layout.dp if layout.ep and layout.dp > 1 else 1
+    fwd = _forward_activation(model, layout, mnbt, start, end, moe_tokens=mnbt * gathered)
+    basis = f"forward at max_num_batched_tokens={mnbt}" + (f" (experts on the {gathered} DP ranks' tokens)" if gathered > 1 else "")
     peak = fwd
     if stage == layout.pp - 1:
         if draft is not None:
@@ -672,7 +676,9 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
     return peak, max(peak // 4, 256 * MiB), basis + "; +-25% (H200 residuals <= 0.3 GiB)"
 
 
-def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, start: int, end: int) -> int:
+def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, start: int, end: int,
+                        moe_tokens: int | None = None) -> int:
+    """``moe_tokens``: the tokens the experts see when the dispatch gathers other ranks' (default ``tokens``)."""
     w = model.widths
     tp = layout.tp
     streams = 6
@@ -684,7 +690,7 @@ def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, star
     moe = 0
     if w.num_experts:
         inter = w.moe_intermediate_size if layout.ep else max(w.moe_intermediate_size // tp, model.expert_min_intermediate_per_rank)
-        rows = tokens * w.experts_per_token
+        rows = (moe_tokens or tokens) * w.experts_per_token
         moe = rows * (max(2 * inter, w.moe_hidden_size) + max(inter, w.moe_hidden_size)) * 2
     return hidden + max(dense, moe)
 
