@@ -40,6 +40,7 @@ FIT_RUNS = {
     "k4-tp1-b8192-s256-u080": "sampler copies, TP1 non-torch",
     "k4-tp1-llm-defaults-b16384-s1024": "sampler copies, TP1 non-torch",
     "llama-3.1-8b-tp1": "default per-graph CUDA-graph cost",
+    "rehearse-tp2": "TP2 non-torch (NON_TORCH_TP2, with serve-one-gpu)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark"}

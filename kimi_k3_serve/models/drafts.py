@@ -6,7 +6,8 @@
 - ``K3DSparkModel`` (vLLM ``models/kimi_k3/nvidia/dspark_mla.py``): dense MLA decoder layers (RoPE, no
   output gate, ``non_causal_multi_token_decode``), a replicated ``context_proj`` over the tapped target
   layers, a replicated per-layer ``context_kv_proj``, and a replicated Markov head; it shares the target's
-  embedding and lm_head (``k3_dspark.py`` requires ``draft_vocab_size == vocab_size``).
+  embedding and lm_head (``k3_dspark.py`` requires ``draft_vocab_size == vocab_size``). Its MLA layers use RoPE:
+  one fp32 cos/sin table of ``max_position_embeddings`` rows, shared by every layer and whole on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kimi_k3_serve.models.inventory import (
     ModelInventory,
     TensorSpec,
 )
-from kimi_k3_serve.models.kimi_k3 import absorbed_mla_copies
+from kimi_k3_serve.models.kimi_k3 import kimi_mla_absorbed
 from kimi_k3_serve.models.quant import model_dtype_of, parse_quantization
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "K3DSparkModel")
@@ -81,6 +82,19 @@ def _eagle3(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
     )
 
 
+def _dspark_rope_table(r: ConfigReader, rope_dim: int) -> TensorSpec:
+    """The RoPE cos/sin table of the DSpark MLA layers, built while the draft loads: vLLM 0.32 models/kimi_k3/nvidia/
+    mla.py asks ``get_rope(qk_rope_head_dim, max_position_embeddings, dtype=torch.float32)``, which caches one instance
+    for all layers (rotary_embedding/__init__.py ``_ROPE_DICT``); its ``cos_sin_cache`` is ``[max_position, rope_dim]``
+    fp32 (base.py), ``x factor`` rows under deepseek_yarn (deepseek_scaling_rope.py). Not TP-split. vLLM raises a draft's
+    max_position_embeddings to the target's max_model_len when smaller (config/speculative.py); not modelled here."""
+    rows = r.require("max_position_embeddings")
+    scaling = r.get("rope_scaling") or r.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+        rows = int(rows * float(scaling.get("factor", 1.0)))
+    return TensorSpec("rotary_emb.cos_sin_cache", (rows, rope_dim), "float32", REPLICATED, "runtime_copies", in_checkpoint=False)
+
+
 def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> ModelInventory:
     r = ConfigReader(config, source)
     dtype = model_dtype_of(config, source=source)
@@ -116,7 +130,7 @@ def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
             norm(f"{p}.self_attn.kv_a_layernorm", kv_lora, dtype, "draft"),
             *q.linear(f"{p}.self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora, TP_DIM0, "draft"),
             *q.linear(f"{p}.self_attn.o_proj", hidden, heads * v_dim, TP_DIM1, "draft"),
-            absorbed_mla_copies(f"{p}.self_attn", heads, nope, v_dim, kv_lora, dtype),
+            *kimi_mla_absorbed(q, f"{p}.self_attn", heads, nope, v_dim, kv_lora),
             *gated_mlp(q, f"{p}.mlp", hidden, inter, "draft", merged=True),
             norm(f"{p}.input_layernorm", hidden, dtype, "draft"),
             norm(f"{p}.post_attention_layernorm", hidden, dtype, "draft"),
@@ -131,6 +145,7 @@ def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
         norm("final_norm", hidden, dtype, "draft"),
         TensorSpec("markov_head.markov_w1.weight", (vocab, markov), dtype, REPLICATED, "draft"),
         TensorSpec("markov_head.markov_w2.weight", (draft_vocab, markov), dtype, REPLICATED, "draft"),
+        _dspark_rope_table(r, rope),
     ]
     if r.get("enable_confidence_head", False):
         width = hidden + (markov if r.get("confidence_head_with_markov", False) else 0)

@@ -7,7 +7,8 @@ Tensor shapes and sharding follow vLLM 0.32 ``vllm/models/kimi_k3/nvidia/{model,
   rows to a multiple of 16 (kda.py ``in_proj_padding``); conv1d weights are fp32 on the GPU (kda.py
   ``params_dtype=torch.float32``) plus an fp32 width-major copy for fused decode;
 - MLA ``fused_qkv_a_g_proj`` keeps the q/kv latent projections replicated and splits the gate; after
-  loading vLLM absorbs ``kv_b_proj`` into ``W_UK_T``/``W_UV`` copies (mla.py ``process_weights_after_loading``);
+  loading vLLM splits ``kv_b_proj`` into ``W_UK_T``/``W_UV`` (mla.py ``process_weights_after_loading``): views of
+  a bf16 ``kv_b_proj``, a dequantized copy only when ``kv_b_proj`` is quantized;
 - the router gate and the latent ``routed_expert_{down,up}_proj`` are ReplicatedLinear;
 - experts are FusedMoE weights, padded to 256 intermediate rows per rank under TP without EP (model.py
   ``min_moe_intermediate_per_partition``).
@@ -190,8 +191,18 @@ def _mla_tensors(q: QuantScheme, prefix: str, hidden: int, heads: int, r: Config
     out.append(norm(f"{prefix}.kv_a_layernorm", kv_lora, dtype, "attention"))
     out += q.linear(f"{prefix}.kv_b_proj", heads * (nope + v_dim), kv_lora, TP_DIM0, "attention")
     out += q.linear(f"{prefix}.o_proj", hidden, heads * v_dim, TP_DIM1, "attention")
-    out.append(absorbed_mla_copies(prefix, heads, nope, v_dim, kv_lora, dtype))
+    out += kimi_mla_absorbed(q, prefix, heads, nope, v_dim, kv_lora)
     return out
+
+
+def kimi_mla_absorbed(q: QuantScheme, prefix: str, heads: int, nope: int, v_dim: int, kv_lora: int) -> list[TensorSpec]:
+    """What ``W_UK_T``/``W_UV`` add in vLLM 0.32's Kimi-K3 MLA (models/kimi_k3/nvidia/mla.py
+    ``process_weights_after_loading``): ``split_kv_b_proj`` returns views of ``kv_b_proj.weight.to(act_dtype)`` and
+    ``replace_parameter`` wraps them without a copy, so an unquantized ``kv_b_proj`` costs nothing more; a quantized
+    one is dequantized into a new tensor."""
+    if not q.quantizes(f"{prefix}.kv_b_proj"):
+        return []
+    return [absorbed_mla_copies(prefix, heads, nope, v_dim, kv_lora, q.model_dtype)]
 
 
 def absorbed_mla_copies(prefix: str, heads: int, nope: int, v_dim: int, kv_lora: int, dtype: str) -> TensorSpec:

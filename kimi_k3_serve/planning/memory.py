@@ -37,10 +37,14 @@ from kimi_k3_serve.units import GiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
 
 NON_TORCH_TP1 = int(0.45 * GiB)
+NON_TORCH_TP2 = NON_TORCH_TP1
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
 """Post-snapshot memory the profile sees besides weights and activations. TP1: 0.45 GiB, fitted on the H200 runs of
 2026-11-30 (tests/fixtures/gpu/2026-11-30, docs/memory-accuracy.md; the llm-d v0.19 H100 sweep had 0.25 GiB).
-TP >= 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory.md 1.2, 5), not yet measured here."""
+TP2 (one node): as at TP1. vLLM's own split of the TP2 rehearsal (2 x H200, tests/fixtures/gpu/2026-11-30-two-gpus/
+rehearse-tp2) has 32.72 - 30.03 = 2.69 GiB consumed besides weights, against 61.52 - 58.69 = 2.83 GiB at TP1 with the
+same settings (2026-11-30-second-host/serve-one-gpu): the TP group's buffers add nothing measurable there.
+TP > 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory.md 1.2, 5), not yet measured here."""
 SAMPLER_FP32_VOCAB_COPIES = 4
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
 probabilities / log-probabilities the sampler derives). Fitted on the H200 Kimi-K3 slice runs at 256 and 1024
@@ -351,7 +355,7 @@ def estimate_memory(
             by_cat = {**by_cat, "routed_experts": by_cat.get("routed_experts", 0) + eplb_weights}
         draft_bytes = _draft_bytes(model, draft, spec, layout, s) if spec else 0
         act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft)
-        non_torch = NON_TORCH_TP_MULTI if layout.tp > 1 else NON_TORCH_TP1
+        non_torch = NON_TORCH_TP1 if layout.tp == 1 else NON_TORCH_TP2 if layout.tp == 2 else NON_TORCH_TP_MULTI
         nt_margin = GiB if layout.tp > 1 else GiB // 4
         cg, cg_margin, cg_basis = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
         ws = 0
@@ -381,7 +385,7 @@ def estimate_memory(
                                       "load window per MoE layer; +-10%"))
         estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
-                                  "post-snapshot non-torch: 0.45 GiB TP1 (fitted, H200 2026-11-30), 2.1 GiB TP>=2 (llm-d, H100)"))
+                                  "post-snapshot non-torch: 0.45 GiB TP1 and TP2 (fitted, H200 2026-11-30), 2.1 GiB TP>2 (llm-d, H100)"))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 
@@ -661,8 +665,12 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                 draft: ModelInventory | None) -> tuple[int, int, str]:
     """Peak transient memory of vLLM's profile run: one forward at ``max_num_batched_tokens`` tokens, then, on the
     last stage, the sampler at ``max_num_seqs`` requests while the forward's output is still held (the two add up)."""
-    fwd = _forward_activation(model, layout, mnbt, start, end)
-    basis = f"forward at max_num_batched_tokens={mnbt}"
+    # With DP x EP, vLLM 0.32's default all2all (AgRsAll2AllManager, distributed/device_communicators/all2all.py;
+    # MoEPrepareAndFinalizeNaiveDPEPModular, fused_moe/prepare_finalize/naive_dp_ep.py) all-gathers every DP rank's
+    # tokens before the experts, so each rank's MoE runs on dp x the batch in the profile run.
+    gathered = layout.dp if layout.ep and layout.dp > 1 else 1
+    fwd = _forward_activation(model, layout, mnbt, start, end, moe_tokens=mnbt * gathered)
+    basis = f"forward at max_num_batched_tokens={mnbt}" + (f" (experts on the {gathered} DP ranks' tokens)" if gathered > 1 else "")
     peak = fwd
     if stage == layout.pp - 1:
         if draft is not None:
@@ -672,7 +680,9 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
     return peak, max(peak // 4, 256 * MiB), basis + "; +-25% (H200 residuals <= 0.3 GiB)"
 
 
-def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, start: int, end: int) -> int:
+def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, start: int, end: int,
+                        moe_tokens: int | None = None) -> int:
+    """``moe_tokens``: the tokens the experts see when the dispatch gathers other ranks' (default ``tokens``)."""
     w = model.widths
     tp = layout.tp
     streams = 6
@@ -684,7 +694,7 @@ def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, star
     moe = 0
     if w.num_experts:
         inter = w.moe_intermediate_size if layout.ep else max(w.moe_intermediate_size // tp, model.expert_min_intermediate_per_rank)
-        rows = tokens * w.experts_per_token
+        rows = (moe_tokens or tokens) * w.experts_per_token
         moe = rows * (max(2 * inter, w.moe_hidden_size) + max(inter, w.moe_hidden_size)) * 2
     return hidden + max(dense, moe)
 
