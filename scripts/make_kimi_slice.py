@@ -1,5 +1,5 @@
 """Make a servable Kimi-K3 slice for dummy-weight runs: ``kimi-k3-slice`` (the first N layers, every layer kind kept),
-its DSpark and EAGLE3 drafts, and a tokenizer that covers Kimi-K3's whole 163,840-token vocabulary.
+its DSpark and EAGLE3 (GQA and MLA) drafts, and a tokenizer that covers Kimi-K3's whole 163,840-token vocabulary.
 
 No weights are written: the deploy config serves them with ``args.model.load_format: dummy``. The tokenizer is the
 tiny models' BPE tokenizer (trained on the spot, scripts/make_tiny_models.py) padded with placeholder tokens up to
@@ -32,6 +32,7 @@ from kimi_k3_serve.rehearsal.slicing import slice_draft_config, slice_text_confi
 TARGET_NAME = "kimi-k3-slice"
 DSPARK_NAME = "kimi-k3-slice-dspark"
 EAGLE3_NAME = "kimi-k3-slice-eagle3"
+EAGLE3_MLA_NAME = "kimi-k3-slice-eagle3-mla"
 
 
 def write_padded_tokenizer(out: Path, vocab_size: int) -> None:
@@ -60,7 +61,8 @@ def make_slice(cache: Path, layers: int) -> list[Path]:
     made = []
     for name, config in ((TARGET_NAME, target),
                          (DSPARK_NAME, slice_draft_config(read_config("kimi-k3-dspark")[0], layers)),
-                         (EAGLE3_NAME, slice_draft_config(read_config("kimi-k3-eagle3")[0], layers))):
+                         (EAGLE3_NAME, slice_draft_config(read_config("kimi-k3-eagle3")[0], layers)),
+                         (EAGLE3_MLA_NAME, slice_draft_config(read_config("kimi-k3-eagle3-mla")[0], layers))):
         folder = cache / name
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)

@@ -129,3 +129,23 @@ def test_replica_check_line_for_a_draft(tmp_path):
     line = check_draft_target(args)
     assert line.startswith("draft target: eagle3 draft on LlamaForCausalLM: vllm.model_executor.models.llama.")
     assert check_draft_target(args.model_copy(update={"speculative": None})) is None
+
+
+def test_replica_check_accepts_the_mla_eagle3_draft_on_the_kimi_k3_slice(tmp_path):
+    """The rehearsal's pairing: the 8-layer slice (KimiLinearForCausalLM) with the MLA EAGLE3 draft, method eagle3."""
+    from kimi_k3_serve.checks.replica import check_draft_target
+    from kimi_k3_serve.models import read_config
+    from kimi_k3_serve.rehearsal.slicing import slice_draft_config, slice_text_config
+
+    target = model_dir(tmp_path, "kimi-k3-slice", slice_text_config(read_config("kimi-k3")[0], 8))
+    draft = model_dir(tmp_path, "kimi-k3-slice-eagle3-mla", slice_draft_config(read_config("kimi-k3-eagle3-mla")[0], 8))
+    args = load_args({
+        "model": {"id": "kimi-k3", "source": str(target)},
+        "accelerator": {"kind": "cpu"},
+        "limits": {"max_model_len": 1024},
+        "speculative": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3},
+    })
+    line = check_draft_target(args)
+    assert line == (f"draft target: eagle3 draft on KimiLinearForCausalLM: {gather_target_class(str(target)).reason} "
+                    "declares SupportsEagle3")
+    assert "vllm.models.kimi_k3.nvidia.model.KimiLinearForCausalLM" in line

@@ -179,6 +179,40 @@ def test_kimi_k3_hybrid_block_size_matches_vllm(kv_dtype: str, block: int) -> No
     assert vc.cache_config.mamba_page_size_padded == report.stage_ranks()[0].page_bytes == 884_736
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kimi_k3_slice_with_mla_eagle3_draft_matches_vllm(tp: int) -> None:
+    """The MLA EAGLE3 draft's layer spec, from vLLM's ``MLAAttention.get_kv_cache_spec`` (layers/attention/
+    mla_attention.py, what ``DeepseekV2MLAAttention`` registers), is the target MLA layer's spec, so vLLM files both
+    under one key; the plan's groups, blocks and concurrency are then vLLM's. (The GQA EAGLE3 draft is refused.)"""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from kimi_k3_serve.rehearsal.slicing import slice_draft_config, slice_text_config
+    from kimi_k3_serve.models import inventory_from_config
+
+    sliced = slice_text_config(read_config("kimi-k3")[0], 8)
+    model = inventory_from_config(sliced, name="kimi-k3-slice")
+    draft = inventory_from_config(slice_draft_config(read_config("kimi-k3-eagle3-mla")[0], 8), name="eagle3-mla")
+    engine = EngineSettings(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256, gpu_memory_utilization=0.92,
+                            speculative=SpeculativeSettings("eagle3", 3, draft=draft))
+    report = estimate_memory(model, Layout(tp=tp), engine, H200)
+    hf, _ = _k3_hf_config()
+    vc = _vllm_config(tp=tp, max_model_len=8192, prefix_caching=True, block_size=64, hf_config=hf,
+                      spec_method="eagle3", num_spec=3, model_type="kimi_k3")
+    kda_layers = set(sliced["linear_attn_config"]["kda_layers"])
+    (specs,), kda_spec, mla_spec = _k3_specs(vc, [(0, 8)], kda_layers, 8, 0)
+    draft_spec = MLAAttention.get_kv_cache_spec(
+        SimpleNamespace(kv_cache_dtype=vc.cache_config.cache_dtype, head_size=draft.layers[0].kv.head_size,
+                        sliding_window=None, indexer=None, non_causal_multi_token_decode=False), vc)
+    assert draft_spec == mla_spec and hash(draft_spec) == hash(mla_spec)
+    specs.update({f"draft.layers.{j}": draft_spec for j in range(draft.num_layers)})
+    assert vc.cache_config.block_size == report.block_size
+    got = _compare(report, vc, [specs], [0])
+    # 6 KDA layers and 3 MLA layers (2 target + the draft's): two KDA groups and one MLA group of three.
+    groups = vku.get_kv_cache_groups(vc, dict(specs))
+    assert any({"model.layers.3", "model.layers.7", "draft.layers.0"} == set(g.layer_names) for g in groups)
+    print(f"\nK3 slice 8 TP{tp} + MLA EAGLE3: block {report.block_size}, vLLM {got}")
+
+
 # -- MLA MoE, GQA with TP > kv heads, the tiny Llama ---------------------------------------------------
 
 def _uniform_case(path: str, layout: Layout, engine: EngineSettings, make_spec) -> dict:

@@ -111,6 +111,80 @@ def test_eagle3_draft_reads_two_hidden_widths() -> None:
     assert d.draft is not None and d.draft.method == "eagle3" and not d.draft.shares_target_lm_head
 
 
+def _mla_eagle3_bytes_per_rank(c: dict, tp: int) -> int:
+    """One rank's bytes of an ``Eagle3DeepseekV2ForCausalLM`` (bf16), counted from vLLM 0.32's layer structure:
+    ``DeepseekV2Eagle3DecoderLayer`` = ``DeepseekV2MLAAttention`` (fused q/kv latent ReplicatedLinear-like
+    ``disable_tp``, column-parallel ``q_b_proj`` / ``kv_b_proj``, row-parallel ``o_proj``; ``W_UK_T`` / ``W_UV``
+    are views of the unquantized ``kv_b_proj``, ``mla_attention.py`` ``split_kv_b_proj``) + ``DeepseekV2MLP`` (merged gate/up column, down row) + three
+    RMSNorms; then a replicated ``fc``, the final norm and a vocab-parallel ``lm_head`` (rows padded to 64)."""
+    h, heads, inter = c["hidden_size"], c["num_attention_heads"], c["intermediate_size"]
+    q_lora, kv_lora, rope = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    nope, v = c["qk_nope_head_dim"], c["v_head_dim"]
+    aux = len(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    local_heads = heads // tp
+    elements = 0
+    for i in range(c["num_hidden_layers"]):
+        first_in = 2 * h if i == 0 else h
+        elements += (q_lora + kv_lora + rope) * first_in + q_lora + kv_lora   # fused_qkv_a_proj, q_a / kv_a norms
+        elements += local_heads * (nope + rope) * q_lora                     # q_b_proj
+        elements += local_heads * (nope + v) * kv_lora                       # kv_b_proj (W_UK_T / W_UV: views of it)
+        elements += h * local_heads * v                                      # o_proj
+        elements += 3 * (inter // tp) * h                                    # gate_up_proj + down_proj
+        elements += 3 * h                                                    # input / post_attention / hidden norms
+    elements += h * c.get("target_hidden_size", h) * aux + h                 # fc, final norm
+    padded_vocab = -(-c["draft_vocab_size"] // 64) * 64
+    elements += -(-padded_vocab // tp) * h                                   # lm_head
+    return elements * 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mla_eagle3_draft_bytes_per_rank_from_vllm_layer_structure(tp: int) -> None:
+    from kimi_k3_serve.rehearsal.slicing import slice_draft_config
+
+    config = read_config("kimi-k3-eagle3-mla")[0]
+    for c in (config, slice_draft_config(config, 8)):
+        d = inventory_from_config(c, name="d")
+        got = sum(sum(x.values()) for x in d.layer_bytes(tp, tp, False)) + sum(d.group_bytes("draft_extra", tp, tp, False).values())
+        assert got == _mla_eagle3_bytes_per_rank(c, tp)
+        print(f"\nMLA EAGLE3 draft ({c['eagle_config']['eagle_aux_hidden_state_layer_ids']}) TP{tp}: {got / 2**30:.3f} GiB per rank")
+
+
+def test_mla_eagle3_draft_is_an_mla_eagle3_on_the_target_page() -> None:
+    d = load_model("kimi-k3-eagle3-mla")
+    k3 = load_model("kimi-k3")
+    assert d.architecture == "Eagle3DeepseekV2ForCausalLM" and d.family == "eagle3" and d.draft is not None
+    assert d.draft.method == "eagle3" and d.draft.shares_target_embedding and not d.draft.shares_target_lm_head
+    assert not d.embedding and d.count_layers("mla") == d.num_layers == 1 and all(x.mlp == "dense" for x in d.layers)
+    target_mla = next(x.kv for x in k3.layers if x.attention == "mla")
+    assert d.layers[0].kv == target_mla  # one latent page size: the draft can share the target's KV pool
+    a = next(t for t in d.layers[0].tensors if t.name.endswith("fused_qkv_a_proj.weight"))
+    assert a.shape == (1536 + 512 + 64, 2 * 7168) and a.sharding == "replicated"
+    # The V3 name is an alias of the same vLLM class.
+    v3 = inventory_from_config({**read_config("kimi-k3-eagle3-mla")[0], "architectures": ["Eagle3DeepseekV3ForCausalLM"]})
+    assert v3.layer_bytes(2, 2, False) == d.layer_bytes(2, 2, False)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("hidden_act", "gelu", "silu"),
+    ("index_topk", 2048, "indexer"),
+])
+def test_mla_eagle3_refuses_what_vllm_would_not_build_as_modelled(field: str, value, says: str) -> None:
+    config = {**read_config("kimi-k3-eagle3-mla")[0], field: value}
+    with pytest.raises(UnsupportedModelError, match=says) as err:
+        inventory_from_config(config)
+    assert field in str(err.value)
+
+
+def test_mla_eagle3_needs_q_lora_rank_given() -> None:
+    config = {k: v for k, v in read_config("kimi-k3-eagle3-mla")[0].items() if k != "q_lora_rank"}
+    with pytest.raises(UnsupportedModelError, match="q_lora_rank"):
+        inventory_from_config(config)
+    # null is a q_proj without the LoRA: q_proj TP-split over the first layer's 2 * hidden inputs.
+    d = inventory_from_config({**config, "q_lora_rank": None})
+    q = next(t for t in d.layers[0].tensors if t.name.endswith("self_attn.q_proj.weight"))
+    assert q.shape == (96 * 192, 2 * 7168) and q.sharding == "tp_dim0"
+
+
 def test_kv_heads_replicate_when_tp_exceeds_them() -> None:
     m = load_model(FIXTURES / "qwen3-30b-a3b.json")  # 4 KV heads, head_dim 128
     k = next(t for t in m.layers[0].tensors if t.name.endswith("k_proj.weight"))

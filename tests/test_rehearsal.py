@@ -65,6 +65,8 @@ def test_sliced_drafts_tap_only_layers_of_the_slice() -> None:
     assert dspark["dspark_noise_token_id"] == 163839
     eagle = slice_draft_config(read_config("kimi-k3-eagle3")[0], 8)
     assert eagle["eagle_aux_hidden_state_layer_ids"] == [0, 4, 7]
+    mla = slice_draft_config(read_config("kimi-k3-eagle3-mla")[0], 8)  # both places vLLM reads the taps
+    assert mla["eagle_aux_hidden_state_layer_ids"] == mla["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 4, 7]
     assert spread(93, 5) == [0, 23, 46, 69, 92]
 
 
@@ -345,7 +347,8 @@ def test_rehearse_on_a_ray_cluster_plans_the_config_gpu_type(capsys) -> None:
 def test_rehearsal_config_is_a_valid_deploy_config(tmp_path, monkeypatch) -> None:
     make_slice = load_script("make_kimi_slice")
     made = make_slice.make_slice(tmp_path, 4)
-    assert [p.name for p in made] == ["kimi-k3-slice", "kimi-k3-slice-dspark", "kimi-k3-slice-eagle3"]
+    assert [p.name for p in made] == ["kimi-k3-slice", "kimi-k3-slice-dspark", "kimi-k3-slice-eagle3",
+                                      "kimi-k3-slice-eagle3-mla"]
     from tokenizers import Tokenizer
 
     assert Tokenizer.from_file(str(tmp_path / "kimi-k3-slice" / "tokenizer.json")).get_vocab_size() == 163840
@@ -425,6 +428,40 @@ def test_rehearse_start_anyway_where_the_plan_refuses(capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["verdict"] == "refused" and "page" in out["plan"]["refusal"]
     assert out["engine_kwargs"]["speculative_config"]["method"] == "eagle3"
+
+
+def test_plan_fits_the_slice_with_the_mla_eagle3_where_the_gqa_one_is_refused() -> None:
+    """The 8-layer slice on an H200 with the matrix's settings: the GQA EAGLE3 draft's page cannot be unified with the
+    slice's MLA page, the MLA EAGLE3 draft's layer joins the target's MLA group and the plan fits."""
+    model = inventory_from_config(slice_text_config(read_config("kimi-k3")[0], 8), name="kimi-k3-slice")
+
+    def engine(draft_name: str) -> EngineSettings:
+        draft = inventory_from_config(slice_draft_config(read_config(draft_name)[0], 8), name=draft_name)
+        return EngineSettings(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256, gpu_memory_utilization=0.92,
+                              speculative=SpeculativeSettings("eagle3", 3, draft=draft))
+
+    with pytest.raises(ConfigError, match="cannot unify these page sizes"):
+        estimate_memory(model, Layout(tp=1), engine("kimi-k3-eagle3"), H200)
+    report = estimate_memory(model, Layout(tp=1), engine("kimi-k3-eagle3-mla"), H200)
+    assert report.fits and report.verdict == "fits"
+    (rank,) = report.stage_ranks()
+    # Three MLA layers (two of the slice's, the draft's) in one group of three pages; no padding layer.
+    assert report.num_kv_groups == 3 and rank.bytes_per_block == 3 * rank.page_bytes
+    assert rank.draft_bytes > 0 and rank.num_blocks > 0
+
+
+def test_rehearse_dry_run_with_the_mla_eagle3_draft(capsys) -> None:
+    """No page refusal (the GQA draft's exit 2); with the matrix job's limits the plan fits. With vLLM's defaults
+    (8,192 batched tokens, 256 sequences) the slice's KDA state blocks, not the draft, are what runs short."""
+    flags = ["rehearse", "--model", "moonshotai/Kimi-K3", "--layers", "8", "--speculative-config",
+             '{"method":"eagle3","model":"kimi-k3-eagle3-mla","num_speculative_tokens":3}', "--dry-run", "--json"]
+    assert main(flags) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["verdict"] == "seqs_over_state_blocks" and "refusal" not in out["plan"]
+    assert out["engine_kwargs"]["speculative_config"]["method"] == "eagle3"
+    assert main([*flags, "--max-num-batched-tokens", "2048", "--max-num-seqs", "256", "--gpu-memory-utilization", "0.92",
+                 "--max-model-len", "8192"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["verdict"] == "fits"
 
 
 def test_engine_processes_that_outlive_the_run_are_stopped(tmp_path) -> None:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from kimi_k3_serve.config.args import ServeArgs
 
 EXIT_STARTED, EXIT_FAILED = 0, 1
-SHIPPED_DRAFTS = {"kimi-k3-dspark", "kimi-k3-eagle3"}
+SHIPPED_DRAFTS = {"kimi-k3-dspark", "kimi-k3-eagle3", "kimi-k3-eagle3-mla"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """Model inventories from ``config.json``: ``load_model(source)``.
 
-``source`` is ``"kimi-k3"`` or ``"kimi-k3-dspark"`` (configs shipped with the package, so planning works
+``source`` is a name in ``SHIPPED`` (configs shipped with the package, so planning works
 offline), a path to a ``config.json``, or a checkpoint folder holding one. An architecture or config field
 the inventory does not know is an UnsupportedModelError naming it, never a guess.
 """
@@ -16,8 +16,10 @@ from kimi_k3_serve.errors import ConfigError, UnsupportedModelError
 from kimi_k3_serve.models import drafts, gqa_dense, gqa_moe, kimi_k3, mla_moe
 from kimi_k3_serve.models.inventory import ModelInventory
 
-SHIPPED = {"kimi-k3": "kimi-k3.json", "kimi-k3-dspark": "kimi-k3-dspark.json", "kimi-k3-eagle3": "kimi-k3-eagle3.json"}
-"""``kimi-k3-eagle3`` is an EAGLE3 draft of Kimi-K3's width (LlamaForCausalLMEagle3) for dummy-weight rehearsals."""
+SHIPPED = {"kimi-k3": "kimi-k3.json", "kimi-k3-dspark": "kimi-k3-dspark.json", "kimi-k3-eagle3": "kimi-k3-eagle3.json",
+           "kimi-k3-eagle3-mla": "kimi-k3-eagle3-mla.json"}
+"""``kimi-k3-eagle3`` (LlamaForCausalLMEagle3, GQA) and ``kimi-k3-eagle3-mla`` (Eagle3DeepseekV2ForCausalLM, MLA) are
+EAGLE3 drafts of Kimi-K3's width for dummy-weight rehearsals; only the MLA one can share Kimi-K3's KV pool in vLLM 0.32."""
 
 _BUILDERS: dict[str, Callable[..., ModelInventory]] = {
     arch: module.build

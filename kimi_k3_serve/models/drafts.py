@@ -8,6 +8,11 @@
   layers, a replicated per-layer ``context_kv_proj``, and a replicated Markov head; it shares the target's
   embedding and lm_head (``k3_dspark.py`` requires ``draft_vocab_size == vocab_size``). Its MLA layers use RoPE:
   one fp32 cos/sin table of ``max_position_embeddings`` rows, shared by every layer and whole on every rank.
+- ``Eagle3DeepseekV2ForCausalLM`` (vLLM ``deepseek_eagle3.py``; ``Eagle3DeepseekV3ForCausalLM`` is the same class):
+  causal DeepSeek-V2 MLA decoder layers (``DeepseekV2MLAAttention``, RoPE, no gate) with a dense
+  ``DeepseekV2MLP`` (never MoE), the first layer's latent projections reading ``2 * hidden``, a ``hidden_norm``
+  in every layer, a replicated ``fc`` over the tapped target layers and its own ``lm_head``; the input
+  embedding is the target's. Its MLA cache is the target's page when ``kv_lora_rank + qk_rope_head_dim`` match.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ from kimi_k3_serve.models.inventory import (
 from kimi_k3_serve.models.kimi_k3 import kimi_mla_absorbed
 from kimi_k3_serve.models.quant import model_dtype_of, parse_quantization
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "K3DSparkModel")
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "K3DSparkModel", "Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
 
 def build(config: Mapping[str, Any], architecture: str, *, name: str, source: str | None) -> ModelInventory:
     if architecture == "K3DSparkModel":
         return _dspark(config, name=name, source=source)
+    if architecture in ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM"):
+        return _eagle3_mla(config, architecture, name=name, source=source)
     return _eagle3(config, name=name, source=source)
 
 
@@ -161,4 +168,80 @@ def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
         draft=DraftInfo("dspark", shares_target_embedding=True, shares_target_lm_head=True,
                         num_speculative_tokens_default=int(block) if block else None, target_layer_ids=target_ids),
         tp_divisors=(("num_attention_heads", heads),), source=source or name,
+    )
+
+
+def _eagle3_mla(config: Mapping[str, Any], architecture: str, *, name: str, source: str | None) -> ModelInventory:
+    """vLLM 0.32 ``deepseek_eagle3.py`` over ``deepseek_v2.py``'s ``DeepseekV2MLAAttention`` and ``DeepseekV2MLP``."""
+    r = ConfigReader(config, source)
+    dtype = model_dtype_of(config, source=source)
+    q = parse_quantization(config, dtype, source=source)
+    hidden = r.require("hidden_size")
+    heads = r.require("num_attention_heads")
+    inter = r.require("intermediate_size")
+    vocab = r.require("vocab_size")
+    draft_vocab = r.get("draft_vocab_size") or vocab
+    kv_lora = r.require("kv_lora_rank")
+    rope = r.require("qk_rope_head_dim")
+    nope = r.require("qk_nope_head_dim")
+    v_dim = r.require("v_head_dim")
+    if "q_lora_rank" not in config:
+        # vLLM reads config.q_lora_rank, so an absent key takes the config class's default (1536 in DeepseekV3Config).
+        r.reject("q_lora_rank", None, "must be given (an integer, or null for a q_proj without a LoRA)")
+    q_lora = r.get("q_lora_rank")
+    if r.get("hidden_act", "silu") != "silu":
+        r.reject("hidden_act", r.get("hidden_act"), "silu (DeepseekV2MLP raises on anything else)")
+    if r.get("index_topk") is not None:
+        r.reject("index_topk", r.get("index_topk"), "absent: the DeepSeek-V3.2 indexer of an EAGLE3 draft is not modelled")
+    target_hidden = r.get("target_hidden_size") or hidden
+    # DeepseekV2Eagle3Model: num_aux_hidden_states, else len(eagle_config.eagle_aux_hidden_state_layer_ids), else 3.
+    aux_ids = (r.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    num_aux = r.get("num_aux_hidden_states") or (len(aux_ids) if aux_ids else 3)
+    num_layers = r.require("num_hidden_layers")
+    layers = []
+    for i in range(num_layers):
+        p = f"layers.{i}"
+        cols = 2 * hidden if i == 0 else hidden  # the first layer reads [embedding; fused target features]
+        tensors: list[TensorSpec] = []
+        if q_lora:
+            # DeepSeekV2FusedQkvAProjLinear: disable_tp=True, so the q and kv latents stay whole on every rank.
+            tensors += q.linear(f"{p}.self_attn.fused_qkv_a_proj", q_lora + kv_lora + rope, cols, REPLICATED, "draft")
+            tensors.append(norm(f"{p}.self_attn.q_a_layernorm", q_lora, dtype, "draft"))
+            tensors += q.linear(f"{p}.self_attn.q_b_proj", heads * (nope + rope), q_lora, TP_DIM0, "draft")
+        else:
+            tensors += q.linear(f"{p}.self_attn.kv_a_proj_with_mqa", kv_lora + rope, cols, REPLICATED, "draft")
+            tensors += q.linear(f"{p}.self_attn.q_proj", heads * (nope + rope), cols, TP_DIM0, "draft")
+        tensors += [
+            norm(f"{p}.self_attn.kv_a_layernorm", kv_lora, dtype, "draft"),
+            *q.linear(f"{p}.self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora, TP_DIM0, "draft"),
+            *q.linear(f"{p}.self_attn.o_proj", hidden, heads * v_dim, TP_DIM1, "draft"),
+            # the same split_kv_b_proj in layers/attention/mla_attention.py: views of an unquantized kv_b_proj
+            *kimi_mla_absorbed(q, f"{p}.self_attn", heads, nope, v_dim, kv_lora),
+            # DeepseekV2MLP with is_sequence_parallel left False: TP-split even when the target replicates its MLPs.
+            *gated_mlp(q, f"{p}.mlp", hidden, inter, "draft", merged=True),
+            norm(f"{p}.input_layernorm", hidden, dtype, "draft"),
+            norm(f"{p}.post_attention_layernorm", hidden, dtype, "draft"),
+            norm(f"{p}.hidden_norm", hidden, dtype, "draft"),  # built in every layer, read by the first only
+        ]
+        layers.append(LayerInventory(i, "mla", "dense", tuple(tensors), MlaKv(kv_lora, rope)))
+    extra = [
+        # ReplicatedLinear with params_dtype = the target's dtype.
+        TensorSpec("fc.weight", (hidden, target_hidden * num_aux), dtype, REPLICATED, "draft"),
+        norm("norm", hidden, dtype, "draft"),
+        # Its own ParallelLMHead, as a checkpoint with lm_head weights keeps it (llm_base_proposer._maybe_share_lm_head).
+        TensorSpec("lm_head.weight", (draft_vocab, hidden), dtype, VOCAB, "draft"),
+    ]
+    if r.get("fc_norm", False):
+        extra.append(TensorSpec("fc_norm.*.weight", (target_hidden,), dtype, REPLICATED, "draft", count=num_aux))
+    if draft_vocab != vocab:
+        # draft_id_to_target_id only; load_weights skips t2d.
+        extra.append(TensorSpec("draft_id_to_target_id", (draft_vocab,), "int64", REPLICATED, "draft"))
+    return ModelInventory(
+        name=name, architecture=architecture, family="eagle3", dtype=dtype, hidden_size=hidden, vocab_size=vocab,
+        layers=tuple(layers), embedding=(), head=(),
+        widths=ActivationWidths(hidden, inter, heads, nope + rope),
+        quantization=q.describe(), max_position_embeddings=r.get("max_position_embeddings", 0),
+        num_attention_heads=heads, num_kv_heads=heads, draft_extra=tuple(extra),
+        draft=DraftInfo("eagle3", shares_target_embedding=True, shares_target_lm_head=False),
+        tp_divisors=(("num_attention_heads", heads), ("intermediate_size", inter)), source=source or name,
     )

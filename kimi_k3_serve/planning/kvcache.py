@@ -49,7 +49,14 @@ class AttentionPageSpec:
     """``non_causal_multi_token_decode`` (DSpark draft layers). They form their own KV-cache groups: on the H200
     runs of 2026-11-30 vLLM 0.32 made 9 groups of 1 layer for a 4-layer slice (3 KDA, 1 MLA, 5 draft) and 7 groups
     of 2 with one padding layer for an 8-layer slice (6 KDA, 2 MLA, 5 draft), which merging them into the target's
-    MLA bucket cannot give."""
+    MLA bucket cannot give.
+
+    A causal MLA EAGLE3 draft (``Eagle3DeepseekV2ForCausalLM``) leaves it False and shares the target's MLA bucket:
+    its ``MLAAttention.get_kv_cache_spec`` (layers/attention/mla_attention.py) builds the same ``MLAAttentionSpec``
+    as Kimi-K3's (models/kimi_k3/nvidia/mla.py) -- block size, one head, ``max_tp_shards=1``, head size
+    ``kv_lora_rank + qk_rope_head_dim``, cache dtype, no indexer, causal -- and both pick their backend through
+    ``get_attn_backend`` with the same arguments (the shipped draft has Kimi-K3's 96 heads), so ``_get_kv_cache_groups_uniform_page_size``
+    (v1/core/kv_cache_utils.py) files them under one ``same_type_layers`` key."""
 
     @property
     def unpadded_page_size_bytes(self) -> int:

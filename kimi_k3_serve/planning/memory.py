@@ -535,7 +535,7 @@ def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings) -> 
         d = spec.draft
         if d is not None:
             if d.draft is None:
-                raise ConfigError("speculative.draft", d.architecture, "expected a draft architecture (LlamaForCausalLMEagle3 or K3DSparkModel)")
+                raise ConfigError("speculative.draft", d.architecture, "expected a draft architecture (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM or K3DSparkModel)")
             if d.draft.method != spec.method:
                 raise ConfigError("speculative.method", spec.method, f"the draft {d.name} is a {d.draft.method} draft")
             if spec.method == "dspark" and model.family != "kimi_k3":
@@ -648,6 +648,7 @@ def _kv_grouping(model, layout, engine, cc, num_spec, prefix, opts, draft, spec)
         for layer in draft.layers:
             name = f"draft.layers.{layer.index}"
             names.append(name)
+            # Only DSpark's non-causal layers keep apart; a causal MLA EAGLE3 draft joins the target's MLA bucket.
             layers.append((name, attn(layer.kv, dtp, draft.family == "dspark")))
     grouping = group_layers(layers)
     if grouping.padding_layers:

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 DSPARK = '{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}'
 EAGLE3 = '{"method": "eagle3", "model": "kimi-k3-eagle3", "num_speculative_tokens": 3}'
+EAGLE3_MLA = '{"method": "eagle3", "model": "kimi-k3-eagle3-mla", "num_speculative_tokens": 3}'
 KIMI_ENGINE = {"moe_backend": "marlin", "attention_backend": "FLASHMLA"}
 """vLLM 0.32 asserts an fp8 prefill query for Kimi-K3 with an fp8 KV cache; the fp8 jobs add it."""
 
@@ -67,6 +68,8 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-llm-defaults-b16384-s1024", 4, tokens=16384, seqs=1024),
         # The plan refuses a GQA EAGLE3 draft beside the slice's MLA pages: vLLM is started anyway for its verdict.
         kimi("k8-tp1-b2048-s256-eagle3", 8, draft=EAGLE3, expected_s=120, extra=("--start-anyway",)),
+        # The MLA EAGLE3 draft (Eagle3DeepseekV2ForCausalLM) shares the slice's MLA pages: the plan says it fits.
+        kimi("k8-tp1-b2048-s256-eagle3-mla", 8, draft=EAGLE3_MLA),
         kimi("k4-tp1-b8192-s256-u080", 4, tokens=8192, util=0.80),
         other("llama-3.1-8b-tp1", "llama-3.1-8b.json"),
         # Not in the first calibration: what predicts these is held out (docs/memory-accuracy.md).
@@ -85,6 +88,7 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-pp2-serve-defaults-dspark", 4, pp=2, expected_s=200),
         kimi("k8-tp2-b8192-s1024-u092-eagle3", 8, tp=2, tokens=8192, seqs=1024, draft=EAGLE3, expected_s=300,
              extra=("--start-anyway",)),
+        kimi("k8-tp2-b8192-s1024-u092-eagle3-mla", 8, tp=2, tokens=8192, seqs=1024, draft=EAGLE3_MLA, expected_s=300),
         kimi("k8-pp2-b2048-s256-u080-fp8kv", 8, pp=2, util=0.80, kv="fp8", expected_s=300),
         # Data-parallel attention with the experts over both GPUs (DP2 x EP2): one engine per GPU, each with the
         # whole attention, its own KV cache and KDA states, and 448 of a layer's 896 experts.
