@@ -322,3 +322,38 @@ def test_profile_summary_tells_whose_code_ran(bench_serving, tmp_path):
     assert summary["top_self"][0] == ("dumps (pydantic/main.py:1)", 0.6)
     assert dict(summary["top_ours_inclusive"]) == {"_process_llm_request (kimi_k3_serve/serving/ingress.py)": 0.6,
                                                    "stream (kimi_k3_serve/serving/streaming.py)": 0.2}
+
+
+def test_a_pipeline_serve_side_gets_one_raylet_per_stage():
+    """The PP2 layout benchmark's Serve side: Ray's own test cluster with one raylet per stage, each declaring its
+    stage's GPUs and seeing them as CUDA_VISIBLE_DEVICES (GPUs declared here; on the H200 host NVML has them). In a
+    process of its own, as Ray reads its settings once per process."""
+    script = (
+        "import json, sys, ray\n"
+        f"sys.path.insert(0, {str(REPO_ROOT / 'scripts')!r})\n"
+        "import bench_serving\n"
+        "import tempfile\n"
+        "cluster = bench_serving.stage_per_node_cluster(2, 1, tempfile.mkdtemp(prefix='kk3-pp-'))\n"  # short: socket paths
+        "try:\n"
+        "    ray.init(address=cluster.address, log_to_driver=False)\n"
+        "    nodes = [n for n in ray.nodes() if n['Alive']]\n"
+        "    @ray.remote(num_gpus=1)\n"
+        "    def seen():\n"
+        "        import os\n"
+        "        return os.environ.get('CUDA_VISIBLE_DEVICES')\n"
+        "    pg = ray.util.placement_group([{'CPU': 1, 'GPU': 1}, {'CPU': 1, 'GPU': 1}], strategy='STRICT_SPREAD')\n"
+        "    ray.get(pg.ready(), timeout=60)\n"
+        "    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as S\n"
+        "    visible = ray.get([seen.options(scheduling_strategy=S(pg, placement_group_bundle_index=i)).remote() for i in (0, 1)])\n"
+        "    print(json.dumps({'gpus': sorted(n['Resources'].get('GPU', 0) for n in nodes), 'visible': sorted(visible)}))\n"
+        "finally:\n"
+        "    ray.shutdown()\n"
+        "    cluster.shutdown()\n"
+    )
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["gpus"] == [1.0, 1.0]
+    # Each raylet's ids are its CUDA_VISIBLE_DEVICES: stage 1's task sees GPU 1 of the host, not GPU 0 again.
+    assert out["visible"] == ["0", "1"]
