@@ -4,6 +4,7 @@
 #   bash scripts/gpu/make_bundle.sh .gpu-bundle          # on the dev machine; the parts go to /var/tmp/stash on the host
 #   . /var/tmp/stash/host_setup.sh /var/tmp/stash        # once per host: installs the bundle, sets PYTHONPATH/NCCL env
 #   bash scripts/gpu/run_all.sh PHASE [SECONDS] [--only JOB ...]  # from the repository root; results in $OUT (or ./gpu-out)
+#   (KIMI_K3_SERVE_CALL_STARTED=$(date +%s) exported before host_setup.sh keeps SECONDS inside the call's 600 s)
 #
 # Phases (each fits one 10-minute call; SECONDS is its deadline, default 540):
 #   matrix-tp1     rehearsals on one GPU each, side by side (Kimi-K3 slices, Llama-3.1-8B, Qwen3-30B-A3B, DeepSeek-V2-Lite)
@@ -30,6 +31,13 @@ export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 NO_COLOR=1 VLLM_LOGGING_COLO
 runs="${KIMI_K3_SERVE_GPU_RUNS:-/var/tmp/kk3-runs}"  # outside the working tree: kept between calls while the host stays up
 mkdir -p "$runs"
 started=$(date +%s)
+# A device call ends at its own limit whatever the phase's deadline: with KIMI_K3_SERVE_CALL_STARTED (the call's
+# `date +%s`, taken before host_setup.sh) the deadline is cut to end 10 s before KIMI_K3_SERVE_CALL_LIMIT (600 s),
+# so the phase packs its results before the call is stopped.
+if [ -n "${KIMI_K3_SERVE_CALL_STARTED:-}" ]; then
+  call_left=$(( ${KIMI_K3_SERVE_CALL_LIMIT:-600} - 10 - (started - KIMI_K3_SERVE_CALL_STARTED) ))
+  [ "$call_left" -lt "$deadline" ] && echo "deadline cut from $deadline s to $call_left s (the call's limit)" && deadline=$call_left
+fi
 
 host_info() {
   [ -f "$runs/host.json" ] && { cp "$runs/host.json" "$out/"; return; }
