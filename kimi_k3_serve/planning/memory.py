@@ -55,6 +55,10 @@ the graphs), for the target model. Fitted on H200, vLLM 0.32: a 4-layer Kimi-K3 
 (estimate 0.98 GiB for 102 graphs) and Llama-3.1-8B, TP1 (0.76 GiB). Layer-count and TP dependence not yet
 measured: +-50%."""
 CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(25.8 * MiB)}
+CUDA_GRAPH_FITTED_LAYERS = (2, 8)
+"""The stage sizes (layers) the CUDA-graph estimate was measured on: Kimi-K3 slices on the H200, 2026-11-30. vLLM's
+own estimate grew with a stage's layers there (3.55 GiB at 4 layers, 3.82 GiB at 8, with DSpark) and the plan's does
+not; beyond 8 layers the estimate is an extrapolation, and the plan says so."""
 """What a draft adds per captured graph (its own forward is captured with the target's). DSpark: the same slice with
 its DSpark draft gave 3.55 GiB for the same 102 graphs (H200, vLLM 0.32). EAGLE3: not measured (0)."""
 PRE_SNAPSHOT_CONTEXT = GiB // 2
@@ -452,6 +456,14 @@ def estimate_memory(
             f"NCCL{' and the FlashInfer MXFP4 workspace' if cc[0] == 10 and 'mxfp4' in model.quantization else ''} "
             f"(~{(low.total_bytes - low.budget_bytes - low.headroom_bytes) / GiB:.1f} GiB): lower gpu_memory_utilization"
         )
+    deepest = max(ranks, key=lambda x: x.local_layers)
+    if (engine.accelerator == "gpu" and not engine.enforce_eager and deepest.cuda_graph_bytes
+            and deepest.local_layers > CUDA_GRAPH_FITTED_LAYERS[1]):
+        notes.append(
+            f"CUDA graphs: {deepest.cuda_graph_bytes / GiB:.2f} GiB on rank {deepest.rank} is extrapolated: measured on "
+            f"stages of {CUDA_GRAPH_FITTED_LAYERS[0]}-{CUDA_GRAPH_FITTED_LAYERS[1]} layers, where vLLM's estimate grew "
+            f"with the layers (3.55 GiB at 4, 3.82 GiB at 8 on an H200); this stage has {deepest.local_layers}. "
+            f"`kimi-k3-serve rehearse` measures it")
     if layout.dcp > 1:
         notes.append(f"DCP {layout.dcp}: MLA tokens are split across ranks (blocks per request use max_model_len / DCP); "
                      "not covered by the conformance tests")
