@@ -143,10 +143,11 @@ def accepts_without_ray(document: Any) -> bool:
 
 
 def _finite_outside_args(node: Any, *, in_args: bool = False) -> bool:
-    """Pydantic rejects NaN against ``ge``/``le`` bounds where JSON Schema accepts it; leave those to Ray.
+    """Pydantic rejects NaN against ``ge``/``le`` bounds where JSON Schema accepts it, and a whole float of 2^63 or
+    more for an int field (``int_parsing_size``) where JSON Schema calls it an integer; leave those to Ray.
     ``args`` belongs to the application's builder and is validated there."""
     if isinstance(node, float) and not in_args:
-        return math.isfinite(node)
+        return math.isfinite(node) and abs(node) < 2**63
     if isinstance(node, dict):
         return all(_finite_outside_args(value, in_args=in_args or key == "args") for key, value in node.items())
     if isinstance(node, list):
