@@ -316,7 +316,7 @@ def start_engine(spec: dict[str, Any], env: dict[str, str], work: Path, timeout:
         while proc.poll() is None:
             seen.update()
             if time.monotonic() - t0 > timeout:
-                _kill_tree(proc.pid)
+                proc.kill()  # the engine's processes are stopped with the rest below
                 print(f"rehearse: stopped after {timeout:.0f} s (--timeout)", file=sys.stderr, flush=True)
                 break
             time.sleep(2)
@@ -335,7 +335,8 @@ def start_engine(spec: dict[str, Any], env: dict[str, str], work: Path, timeout:
 class _Descendants:
     """Every process the engine run started, as seen while it ran. A DP rank leaves with ``os._exit`` and its
     engine core and workers are orphaned, still holding the GPU (2 x H200, 2026-11-30: the next start found
-    4.79 GiB free of 139.80); they are no longer the run's children when it ends, so they are remembered."""
+    4.79 GiB free of 139.80); they are no longer the run's children when it ends, so they are remembered. A run
+    stopped at ``--timeout`` has its engine processes stopped the same way."""
 
     def __init__(self, pid: int) -> None:
         import psutil
@@ -365,19 +366,6 @@ class _Descendants:
         return len(alive)
 
 
-def _kill_tree(pid: int) -> None:
-    """The engine process and everything it started (vLLM's engine core and workers hold the GPUs)."""
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-        for child in parent.children(recursive=True):
-            child.kill()
-        parent.kill()
-    except psutil.NoSuchProcess:
-        pass
-
-
 def _marker(text: str, name: str) -> dict[str, Any] | None:
     for line in text.splitlines():
         if line.startswith(name + " "):
@@ -386,7 +374,9 @@ def _marker(text: str, name: str) -> dict[str, Any] | None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from kimi_k3_serve.rehearsal.compare import compare, render_table
+    from kimi_k3_serve.config.args_adapter import planner_inputs
+    from kimi_k3_serve.planning.memory import resolved_batch
+    from kimi_k3_serve.rehearsal.compare import compare, measured_verdict, render_table
     from kimi_k3_serve.rehearsal.runner import ENGINE_MARKER, FAILED_MARKER, GENERATED_MARKER
     from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 
@@ -400,38 +390,55 @@ def run(ns: argparse.Namespace) -> int:
         device, labels = cluster_devices(args.parallel.world_size, args.accelerator.type)
     else:
         device, labels = local_devices(args.parallel.world_size, ns.dry_run)
+    refusal: ConfigError | None = None
     try:
         report = predict(args, device)
-    except ConfigError as refusal:
+    except ConfigError as exc:
         if not ns.start_anyway:
             raise
         # The plan refuses; vLLM is started all the same, and its verdict is set beside "refused".
-        return _run_refused(ns, args, target_dir, device, labels, work, refusal)
-    kwargs, env = engine_of(args, target_dir, ns.executor, report.max_num_batched_tokens)
-    result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels,
-                              "plan": {"verdict": report.verdict, "fits": report.fits,
-                                       "safe_gpu_memory_utilization": report.safe_gpu_memory_utilization,
-                                       "max_concurrency": report.max_concurrency, "notes": list(report.notes)}}
+        report, refusal = None, exc
+    if report is not None:
+        tokens = report.max_num_batched_tokens
+        plan = {"verdict": report.verdict, "fits": report.fits,
+                "safe_gpu_memory_utilization": report.safe_gpu_memory_utilization,
+                "max_concurrency": report.max_concurrency, "notes": list(report.notes)}
+    else:
+        tokens = resolved_batch(planner_inputs(args)[1], device)[0]
+        plan = {"verdict": "refused", "fits": False, "refusal": str(refusal)}
+    kwargs, env = engine_of(args, target_dir, ns.executor, tokens)
+    result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels, "plan": plan}
     if ns.dry_run:
-        result["plan"]["ranks"] = [r.to_json() for r in report.ranks]
+        if report is not None:
+            plan["ranks"] = [r.to_json() for r in report.ranks]
+        said = (f"plan: {report.verdict} on {len(labels)} GPU(s)" if report is not None else f"the plan refuses: {refusal}")
         print(json.dumps(result, indent=1) if ns.json else
-              f"would start vLLM with {json.dumps(kwargs)}\nenv {json.dumps(env)}\nplan: {report.verdict} on {len(labels)} GPU(s)")
+              f"would start vLLM with {json.dumps(kwargs)}\nenv {json.dumps(env)}\n{said}")
         return EXIT_STARTED
     spec = {"model": str(target_dir), "engine_kwargs": kwargs}
     with PeakMemory() as peak:
         code, log, seconds = start_engine(spec, env, work, ns.timeout, progress=not ns.json)
     reading = parse_vllm_log(log)
-    comparison = compare(report, reading)
+    if report is not None:
+        comparison = compare(report, reading)
+        comparison_json = comparison.to_json()
+    else:
+        measured = measured_verdict(reading)
+        comparison_json = {"predicted_verdict": "refused", "measured_verdict": measured,
+                           "verdicts_agree": measured == "refused", "ranks": []}
     engine = _marker(log, ENGINE_MARKER)
     generated = _marker(log, GENERATED_MARKER)
     failure = _marker(log, FAILED_MARKER)
     ok = code == 0 and generated is not None
     result.update(started=ok, exit_code=code, seconds=round(seconds, 1), engine=engine, generated=generated,
-                  failure=failure, reading=reading.to_json(), comparison=comparison.to_json(),
+                  failure=failure, reading=reading.to_json(), comparison=comparison_json,
                   nvml_peak_used_bytes={str(k): v for k, v in sorted(peak.peak.items())}, log=str(work / "vllm.log"))
     (work / "result.json").write_text(json.dumps(result, indent=1))
     if ns.json:
         print(json.dumps(result, indent=1))
+    elif report is None:
+        print(f"the plan refuses: {refusal}\nvLLM: {comparison_json['measured_verdict']}"
+              + (f" ({reading.errors[-1][-300:]})" if reading.errors else ""))
     else:
         print(render_table(comparison, labels))
         if generated:
@@ -439,42 +446,9 @@ def run(ns: argparse.Namespace) -> int:
                   f"{reading.init_seconds or 0:.0f} s ({seconds:.0f} s in all)")
         if failure:
             print(f"vLLM failed: {failure['type']}: {failure['message'][-300:]}")
+    if not ns.json:
         print(f"vLLM log: {work / 'vllm.log'}")
+    if report is None:  # --start-anyway: 0 when vLLM refuses too (the plan was right), 1 when its refusal is to be looked at
+        return EXIT_STARTED if comparison_json["verdicts_agree"] else EXIT_FAILED
     return EXIT_STARTED if ok else EXIT_FAILED
 
-
-def _run_refused(ns: argparse.Namespace, args: ServeArgs, target_dir: Path, device, labels: list[str], work: Path,
-                 refusal: ConfigError) -> int:
-    """``--start-anyway`` where the plan refused: vLLM's verdict on the same settings. Exit 0 when vLLM refuses
-    too (the plan was right), 1 when vLLM starts or fails otherwise (the plan's refusal is to be looked at)."""
-    from kimi_k3_serve.config.args_adapter import planner_inputs
-    from kimi_k3_serve.planning.memory import resolved_batch
-    from kimi_k3_serve.rehearsal.compare import measured_verdict
-    from kimi_k3_serve.rehearsal.runner import FAILED_MARKER, GENERATED_MARKER
-    from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
-
-    _, engine, _ = planner_inputs(args)
-    kwargs, env = engine_of(args, target_dir, ns.executor, resolved_batch(engine, device)[0])
-    result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels,
-                              "plan": {"verdict": "refused", "fits": False, "refusal": str(refusal)}}
-    if ns.dry_run:
-        print(json.dumps(result, indent=1) if ns.json else f"the plan refuses: {refusal}\nwould start vLLM with {json.dumps(kwargs)}")
-        return EXIT_STARTED
-    with PeakMemory() as peak:
-        code, log, seconds = start_engine({"model": str(target_dir), "engine_kwargs": kwargs}, env, work, ns.timeout,
-                                          progress=not ns.json)
-    reading = parse_vllm_log(log)
-    measured = measured_verdict(reading)
-    result.update(started=reading.started, exit_code=code, seconds=round(seconds, 1),
-                  generated=_marker(log, GENERATED_MARKER), failure=_marker(log, FAILED_MARKER),
-                  reading=reading.to_json(),
-                  comparison={"predicted_verdict": "refused", "measured_verdict": measured,
-                              "verdicts_agree": measured == "refused", "ranks": []},
-                  nvml_peak_used_bytes={str(k): v for k, v in sorted(peak.peak.items())}, log=str(work / "vllm.log"))
-    (work / "result.json").write_text(json.dumps(result, indent=1))
-    if ns.json:
-        print(json.dumps(result, indent=1))
-    else:
-        print(f"the plan refuses: {refusal}\nvLLM: {measured}" + (f" ({reading.errors[-1][-300:]})" if reading.errors else ""))
-        print(f"vLLM log: {work / 'vllm.log'}")
-    return EXIT_STARTED if measured == "refused" else EXIT_FAILED
