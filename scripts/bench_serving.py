@@ -337,21 +337,12 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
 
 
 def stage_per_node_cluster(stages: int, gpus_per_stage: int, temp_dir: str):
-    """``ray.cluster_utils.Cluster`` of one raylet per pipeline stage on this host, raylet i seeing GPUs
-    ``i x gpus_per_stage ..`` (its ``CUDA_VISIBLE_DEVICES``)."""
-    from ray.cluster_utils import Cluster
+    """One raylet per pipeline stage on this host, raylet i seeing GPUs ``i x gpus_per_stage ..``."""
+    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
 
-    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)  # Ray records the address there
-    def node(i: int) -> dict[str, Any]:
-        gpus = ",".join(str(i * gpus_per_stage + g) for g in range(gpus_per_stage))
-        return {"num_cpus": RAY_LOGICAL_CPUS, "num_gpus": gpus_per_stage, "object_store_memory": OBJECT_STORE_BYTES,
-                "env_vars": {"CUDA_VISIBLE_DEVICES": gpus, "RAY_USAGE_STATS_ENABLED": "0"}}
-
-    cluster = Cluster(initialize_head=True, head_node_args={**node(0), "include_dashboard": False, "temp_dir": temp_dir})
-    for i in range(1, stages):
-        cluster.add_node(**node(i))
-    cluster.wait_for_nodes()
-    return cluster
+    groups = [[str(i * gpus_per_stage + g) for g in range(gpus_per_stage)] for i in range(stages)]
+    return raylets_per_gpu_group(groups, num_cpus=RAY_LOGICAL_CPUS, temp_dir=temp_dir,
+                                 object_store_memory=OBJECT_STORE_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def kimi_slice() -> Path:
 
 def rehearse(name: str, *flags: str, timeout: float = 900) -> dict:
     work = OUT / name
-    cmd = [sys.executable, "-m", "kimi_k3_serve.cli", "rehearse", "--config", str(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml"),
+    cmd = [sys.executable, "-m", "kimi_k3_serve.cli", "rehearse", "--config", "deploy/gpu-rehearsal.yaml",  # cwd: the checkout
            *flags, "--json", "--work-dir", str(work), "--timeout", str(timeout)]
     work.mkdir(parents=True, exist_ok=True)
     (work / "job.json").write_text(json.dumps({"name": name, "command": cmd}))  # scripts/memory_accuracy.py replays it
@@ -104,28 +104,20 @@ def test_rehearse_kimi_slice_on_two_gpus(kimi_slice) -> None:
 # -- two Ray nodes on one host --------------------------------------------------------------------------------------
 
 def start_two_node_cluster(second_gpu: str = "1"):
-    """``ray.cluster_utils.Cluster`` with two raylets of one GPU each; each raylet's CUDA_VISIBLE_DEVICES names its
-    own GPU, so Ray sees two nodes and a PP2 placement group spans both, as on two machines."""
-    from ray.cluster_utils import Cluster
+    """Two raylets of one GPU each (``local_cluster``), so Ray sees two nodes and a PP2 placement group spans both,
+    as on two machines. ``second_gpu``: the second raylet's CUDA_VISIBLE_DEVICES."""
+    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
 
-    temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
-    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)  # Ray records the address there whatever temp_dir is
-    env = {"RAY_USAGE_STATS_ENABLED": "0"}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 8, "num_gpus": 1, "include_dashboard": False,
-        "temp_dir": temp_dir, "env_vars": {**env, "CUDA_VISIBLE_DEVICES": "0"}})
-    second = cluster.add_node(num_cpus=8, num_gpus=1, env_vars={**env, "CUDA_VISIBLE_DEVICES": second_gpu})
-    cluster.wait_for_nodes()
-    return cluster, second, temp_dir
+    return raylets_per_gpu_group([["0"], [second_gpu]])
 
 
 @pytest.fixture
 def two_nodes():
     need_gpus(2)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    cluster, second, temp_dir = start_two_node_cluster()
+    cluster = start_two_node_cluster()
     try:
-        yield cluster, second, temp_dir
+        yield cluster, cluster.head_node.get_temp_dir_path()
     finally:
         cluster.shutdown()
 
@@ -221,16 +213,11 @@ def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check)
 @pytest.fixture
 def one_node():
     need_gpus(1)
-    from ray.cluster_utils import Cluster
+    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
 
-    temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
-    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 8, "num_gpus": 1, "include_dashboard": False, "temp_dir": temp_dir,
-        "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "CUDA_VISIBLE_DEVICES": "0"}})
-    cluster.wait_for_nodes()
+    cluster = raylets_per_gpu_group([["0"]])
     try:
-        yield cluster, temp_dir
+        yield cluster, cluster.head_node.get_temp_dir_path()
     finally:
         cluster.shutdown()
 
@@ -253,7 +240,7 @@ def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
     import ray
     from ray.util.state import list_actors
 
-    cluster, second, temp_dir = two_nodes
+    cluster, temp_dir = two_nodes
 
     def check(logs: str) -> dict:
         # vLLM's stage 1 runs on the node the replica check chose for the last stage.
@@ -278,16 +265,11 @@ def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
 @pytest.fixture
 def two_gpu_node():
     need_gpus(2)
-    from ray.cluster_utils import Cluster
+    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
 
-    temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
-    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 16, "num_gpus": 2, "include_dashboard": False, "temp_dir": temp_dir,
-        "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "CUDA_VISIBLE_DEVICES": "0,1"}})
-    cluster.wait_for_nodes()
+    cluster = raylets_per_gpu_group([["0", "1"]], num_cpus=16)
     try:
-        yield cluster, temp_dir
+        yield cluster, cluster.head_node.get_temp_dir_path()
     finally:
         cluster.shutdown()
 
@@ -333,7 +315,7 @@ def test_nccl_smoke_test_fails_clearly_without_the_second_gpu() -> None:
     from kimi_k3_serve.checks.replica import ReplicaCheckError
 
     need_gpus(1)
-    cluster, _, _ = start_two_node_cluster(second_gpu="7")
+    cluster = start_two_node_cluster(second_gpu="7")
     try:
         started = time.monotonic()
         with pytest.raises(ReplicaCheckError, match=r"nccl smoke test between the nodes node-a -> node-b failed") as info:

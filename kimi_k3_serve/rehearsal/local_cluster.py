@@ -1,0 +1,38 @@
+"""A Ray cluster of several raylets on this host, each with its own GPUs: the shape of a multi-node deployment (a
+pipeline stage per node, NCCL between nodes) rehearsed on one machine with Ray's own ``ray.cluster_utils.Cluster``.
+
+Each raylet's ``CUDA_VISIBLE_DEVICES`` names its GPUs, so Ray gives its tasks those GPUs of the host (a task on the
+second raylet of ``[["0"], ["1"]]`` sees GPU 1) and a STRICT_SPREAD placement group spans the raylets as it would
+span machines. The GPU tests serve through it and the PP layout benchmark's Serve side runs on it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Sequence
+
+
+def raylets_per_gpu_group(gpu_groups: Sequence[Sequence[str]], *, num_cpus: int = 8, temp_dir: str | None = None,
+                          object_store_memory: int | None = None):
+    """``Cluster`` with one raylet per entry of ``gpu_groups`` (the head first), raylet i declaring
+    ``len(gpu_groups[i])`` GPUs and seeing ``CUDA_VISIBLE_DEVICES=",".join(gpu_groups[i])``. ``temp_dir``: the head's
+    (default a new one; keep it short, Ray's socket paths must fit 107 bytes). Waits until every raylet is up."""
+    from ray.cluster_utils import Cluster
+
+    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)  # Ray records the address there whatever temp_dir is
+
+    def node(gpus: Sequence[str]) -> dict[str, Any]:
+        args: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": len(gpus),
+                                "env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "RAY_USAGE_STATS_ENABLED": "0"}}
+        if object_store_memory is not None:
+            args["object_store_memory"] = object_store_memory
+        return args
+
+    head, *others = gpu_groups
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **node(head), "include_dashboard": False, "temp_dir": temp_dir or tempfile.mkdtemp(prefix="kk3-ray-")})
+    for gpus in others:
+        cluster.add_node(**node(gpus))
+    cluster.wait_for_nodes()
+    return cluster
