@@ -137,7 +137,7 @@ def predict_run(run_dir: Path):
 
 def accuracy(run_dir: Path) -> list[RunAccuracy]:
     from kimi_k3_serve.errors import ConfigError
-    from kimi_k3_serve.rehearsal.compare import measured_verdict
+    from kimi_k3_serve.rehearsal.compare import compare, measured_verdict
     from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 
     base = SAME_AS.get(run_dir.name, run_dir.name)
@@ -159,21 +159,18 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
         why = (f"vLLM stopped: {_root_cause(reading.errors)}" if reading.errors
                else "stopped at the call's deadline while loading: weights only")
         note = (note + "; " if note else "") + why
-    out = []
-    for rank in report.ranks:  # one row per GPU of the engine (a DP run: one engine's, DP rank 0)
-        w = reading.worker_of_rank(rank.rank)
-        if w is None and len(report.ranks) == 1 and reading.workers:
-            w = reading.workers[0]
-        get = (lambda name: getattr(w, name)) if w is not None else (lambda name: None)
-        out.append(RunAccuracy(
-            name=run_dir.name, role=role, started=reading.started, measured_verdict=measured,
-            predicted_verdict=report.verdict, weights=(rank.weights_bytes + rank.draft_bytes, get("model_load_bytes")),
-            profile=(rank.activation_bytes + rank.non_torch_bytes + rank.workspace_bytes, get("profiled_non_kv_bytes")),
-            cuda_graph=(rank.cuda_graph_bytes, get("cuda_graph_estimate_bytes")),
-            kv=(rank.kv_cache_bytes, get("available_kv_bytes")), note=note if rank.rank == 0 else "",
-            rank=rank.rank, ranks=len(report.ranks),
-        ))
-    return out
+    ranks = compare(report, reading).ranks  # one per GPU of the engine (a DP run: one engine's, DP rank 0)
+
+    def pair(rank, name: str) -> tuple[int, int | None]:
+        row = rank.row(name)
+        return row.predicted_bytes, row.measured_bytes
+
+    return [RunAccuracy(
+        name=run_dir.name, role=role, started=reading.started, measured_verdict=measured,
+        predicted_verdict=report.verdict, weights=pair(rank, "weights"), profile=pair(rank, "profile_non_kv"),
+        cuda_graph=pair(rank, "cuda_graph_estimate"), kv=pair(rank, "kv_cache"), note=note if rank.rank == 0 else "",
+        rank=rank.rank, ranks=len(ranks),
+    ) for rank in ranks]
 
 
 def all_runs() -> list[RunAccuracy]:
