@@ -52,15 +52,15 @@ sequences (docs/memory-accuracy.md); the forward's output is still held, so the 
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.8 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the second capture's size, times
 the graphs), for the target model. Fitted on H200, vLLM 0.32: a 4-layer Kimi-K3 slice without a draft, TP1
-(estimate 0.98 GiB for 102 graphs) and Llama-3.1-8B, TP1 (0.76 GiB). Layer-count and TP dependence not yet
-measured: +-50%."""
+(estimate 0.98 GiB for 102 graphs) and Llama-3.1-8B, TP1 (0.76 GiB). Not TP-scaled: at TP2 vLLM's was 2.52 GiB where
+this gives 3.51 (2 x H200, 2026-11-30); layer count: ``CUDA_GRAPH_FITTED_LAYERS``. +-50%."""
 CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(25.8 * MiB)}
+"""What a draft adds per captured graph (its own forward is captured with the target's). DSpark: the same slice with
+its DSpark draft gave 3.55 GiB for the same 102 graphs (H200, vLLM 0.32). EAGLE3: not measured (0)."""
 CUDA_GRAPH_FITTED_LAYERS = (2, 8)
 """The stage sizes (layers) the CUDA-graph estimate was measured on: Kimi-K3 slices on the H200, 2026-11-30. vLLM's
 own estimate grew with a stage's layers there (3.55 GiB at 4 layers, 3.82 GiB at 8, with DSpark) and the plan's does
 not; beyond 8 layers the estimate is an extrapolation, and the plan says so."""
-"""What a draft adds per captured graph (its own forward is captured with the target's). DSpark: the same slice with
-its DSpark draft gave 3.55 GiB for the same 102 graphs (H200, vLLM 0.32). EAGLE3: not measured (0)."""
 PRE_SNAPSHOT_CONTEXT = GiB // 2
 PRE_SNAPSHOT_NCCL = GiB
 """CUDA context (~0.5 GiB) and NCCL communicators (~1 GiB at TP >= 2) exist before vLLM's snapshot: they sit
