@@ -64,17 +64,10 @@ def order_dp_ranks(layout: Any, slices: Sequence[Sequence[int]], table: Mapping[
 def tightest_gpu_by_bundle(probes: Sequence[Any]) -> tuple[dict[int, Any], list[str]]:
     """Bundle -> the ``GpuInfo`` with the least free memory on its node (probes that asked for no GPU: which GPU the
     bundle holds is not known, its node's tightest stands for it); and why any node has no reading."""
-    from kimi_k3_serve.checks.replica import node_gpus
+    from kimi_k3_serve.checks.replica import gpus_by_bundle
 
-    found: dict[int, Any] = {}
-    missing: list[str] = []
-    for probe in probes:
-        gpus, reason = node_gpus(probe)
-        if not gpus:
-            missing.append(f"node {probe.node_id}: {reason}")
-            continue
-        found[probe.bundle] = min(gpus, key=lambda g: (g.free if g.free is not None else g.total_bytes or 0, g.index))
-    return found, missing
+    return gpus_by_bundle(probes, lambda probe, gpus: (
+        min(gpus, key=lambda g: (g.free if g.free is not None else g.total_bytes or 0, g.index)), None))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -220,8 +220,9 @@ def node_gpus(probe: BundleProbe) -> tuple[list[Any], str | None]:
     return parse_readings(probe.reading or {"unavailable": "no reading"}, node_domain=f"node:{probe.node_id}")
 
 
-def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list[str]]:
-    """Bundle -> ``GpuInfo`` of the GPU Ray gave it, from each node's NVML reading; and why any is missing."""
+def gpus_by_bundle(probes: Sequence[BundleProbe], pick) -> tuple[dict[int, Any], list[str]]:
+    """Bundle -> the ``GpuInfo`` that ``pick(probe, node_gpus)`` chooses from the probe's node's NVML reading; and why
+    any bundle has none (``pick`` returns ``(None, why)`` to refuse one)."""
     found: dict[int, Any] = {}
     missing: list[str] = []
     for probe in probes:
@@ -229,16 +230,28 @@ def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list
         if not gpus:
             missing.append(f"node {probe.node_id}: {reason}")
             continue
-        if len(probe.gpu_ids) != 1:
-            missing.append(f"bundle {probe.bundle}: Ray gave the probe GPUs {list(probe.gpu_ids)}, expected one")
-            continue
-        # Ray's GPU ids are the node's device indices (NVML order when the raylet sets no CUDA_VISIBLE_DEVICES).
-        match = next((g for g in gpus if str(g.index) == probe.gpu_ids[0]), None)
-        if match is None:
-            missing.append(f"bundle {probe.bundle}: GPU {probe.gpu_ids[0]} not among NVML's {[g.index for g in gpus]}")
-            continue
-        found[probe.bundle] = match
+        gpu, why = pick(probe, gpus)
+        if gpu is None:
+            missing.append(why)
+        else:
+            found[probe.bundle] = gpu
     return found, missing
+
+
+def _ray_gpu_of(probe: BundleProbe, gpus: list[Any]) -> tuple[Any, str | None]:
+    """The GPU Ray gave the probe, among its node's."""
+    if len(probe.gpu_ids) != 1:
+        return None, f"bundle {probe.bundle}: Ray gave the probe GPUs {list(probe.gpu_ids)}, expected one"
+    # Ray's GPU ids are the node's device indices (NVML order when the raylet sets no CUDA_VISIBLE_DEVICES).
+    match = next((g for g in gpus if str(g.index) == probe.gpu_ids[0]), None)
+    if match is None:
+        return None, f"bundle {probe.bundle}: GPU {probe.gpu_ids[0]} not among NVML's {[g.index for g in gpus]}"
+    return match, None
+
+
+def _gpus_by_bundle(probes: Sequence[BundleProbe]) -> tuple[dict[int, Any], list[str]]:
+    """Bundle -> ``GpuInfo`` of the GPU Ray gave it, from each node's NVML reading; and why any is missing."""
+    return gpus_by_bundle(probes, _ray_gpu_of)
 
 
 def check_draft_target(args: ServeArgs) -> str | None:
