@@ -56,7 +56,8 @@ def write_padded_tokenizer(out: Path, vocab_size: int) -> None:
     shutil.rmtree(scratch)
 
 
-def make_slice(cache: Path, layers: int) -> list[Path]:
+def make_slice(cache: Path, layers: int, tokenizer: bool = True) -> list[Path]:
+    """The slice and its drafts under ``cache``; ``tokenizer=False`` writes the configs only (all a plan reads)."""
     target = slice_text_config(read_config("kimi-k3")[0], layers)
     made = []
     for name, config in ((TARGET_NAME, target),
@@ -68,7 +69,8 @@ def make_slice(cache: Path, layers: int) -> list[Path]:
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(json.dumps(config, indent=1))
         made.append(folder)
-    write_padded_tokenizer(cache / TARGET_NAME, target["vocab_size"])
+    if tokenizer:
+        write_padded_tokenizer(cache / TARGET_NAME, target["vocab_size"])
     return made
 
 

@@ -18,22 +18,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 
+import make_kimi_slice  # noqa: E402
 import matrix  # noqa: E402
 
 from kimi_k3_serve.units import GiB  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
+HOST_SLICE_LAYERS = 4
+"""The slice scripts/gpu/run_all.sh makes on the host (make_kimi_slice.py --layers 4)."""
 FIT_RUNS = {
     "k4-tp1-serve-defaults-dspark": "sampler copies, TP1 non-torch, DSpark's per-graph CUDA-graph cost",
     "k4-tp1-b8192-s1024-nodraft": "Kimi-K3 per-graph CUDA-graph cost (without a draft)",
@@ -128,11 +134,29 @@ def predict_run(run_dir: Path):
     worker = reading.workers[0] if reading.workers else None
     free = worker.free_at_start_bytes if worker and worker.free_at_start_bytes else total
     ns = build_parser().parse_args(["rehearse", *_recorded_flags(run_dir)])
-    args = rehearse.serve_args_of(ns)
-    with tempfile.TemporaryDirectory() as work:
+    with tempfile.TemporaryDirectory() as work, _host_model_cache(Path(work) / "cache"):
+        args = rehearse.serve_args_of(ns)
         args, _, _ = rehearse.materialize_models(args, Path(work), ns.layers)
         report = rehearse.predict(args, RankDevice(total, (9, 0), free_bytes=free, name="NVIDIA H200"))
     return report, reading
+
+
+@contextmanager
+def _host_model_cache(cache: Path):
+    """The model cache the GPU host had (scripts/gpu/run_all.sh: the 4-layer slice and its drafts), configs only,
+    for runs started from a deploy config's ``cache:`` sources; this checkout's own cache may lack them."""
+    from kimi_k3_serve.config.args import MODEL_CACHE_ENV
+
+    make_kimi_slice.make_slice(cache, HOST_SLICE_LAYERS, tokenizer=False)
+    before = os.environ.get(MODEL_CACHE_ENV)
+    os.environ[MODEL_CACHE_ENV] = str(cache)
+    try:
+        yield cache
+    finally:
+        if before is None:
+            os.environ.pop(MODEL_CACHE_ENV)
+        else:
+            os.environ[MODEL_CACHE_ENV] = before
 
 
 def accuracy(run_dir: Path) -> list[RunAccuracy]:
