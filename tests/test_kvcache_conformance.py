@@ -16,8 +16,6 @@ These tests are the proof that the planner's numbers are vLLM's, so they never s
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -103,12 +101,15 @@ def _k3_hf_config():
 
 
 def _k3_specs(vc, stages: list[tuple[int, int]], kda_layers: set[int], num_layers: int, dspark_layers: int):
-    """Per-stage {layer_name: spec}, built by vLLM's own layer methods."""
+    """Per-stage {layer_name: spec}, built by vLLM's own layer methods and adjusted for each layer's backend as
+    ``GPUModelRunner.get_kv_cache_spec`` does (``customize_attention_spec``)."""
     from vllm.model_executor.models.config import MambaModelConfig
     from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
     from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+    from vllm.v1.worker.utils import customize_attention_spec
 
     MambaModelConfig.verify_and_update_config(vc)  # mamba_cache_mode / mamba_block_size from prefix caching
     Platform._align_hybrid_block_size(vc, FlashMLABackend)
@@ -119,15 +120,17 @@ def _k3_specs(vc, stages: list[tuple[int, int]], kda_layers: set[int], num_layer
                            kda_prefill_backend="flashkda").items():
         object.__setattr__(kda, key, value)
     kda_spec = kda.get_kv_cache_spec(vc)
-    mla_spec = MultiHeadLatentAttention.get_kv_cache_spec(
-        SimpleNamespace(kv_cache_dtype=vc.cache_config.cache_dtype, head_size=576, non_causal_multi_token_decode=False), vc)
-    draft_spec = MultiHeadLatentAttention.get_kv_cache_spec(
-        SimpleNamespace(kv_cache_dtype=vc.cache_config.cache_dtype, head_size=576, non_causal_multi_token_decode=True), vc)
-    # On the H200 vLLM 0.32 keeps DSpark's draft layers in KV-cache groups of their own (9 groups for a 4-layer
-    # slice, 7 with a padding layer for 8 layers: tests/fixtures/gpu/2026-11-30-second-host). FLASHMLA cannot decode
-    # the draft's non-causal blocks, so those layers run on another MLA backend whose spec does not merge with the
-    # target's. A spec built here from the same class would merge; this marks it as the other backend's.
-    draft_spec = dataclasses.replace(draft_spec, block_stride_alignment=1)
+    mla_spec = customize_attention_spec(FlashMLABackend, MultiHeadLatentAttention.get_kv_cache_spec(
+        SimpleNamespace(kv_cache_dtype=vc.cache_config.cache_dtype, head_size=576, non_causal_multi_token_decode=False), vc))
+    # DSpark's draft layers get their own groups (9 for a 4-layer slice on the H200, 7 with a padding layer for 8:
+    # tests/fixtures/gpu/2026-11-30-second-host). The draft's config sets attention_config.use_non_causal and no
+    # backend (v1/worker/gpu/spec_decode/dspark/utils.py), FLASHMLA does not support non-causal, so the selector
+    # picks TRITON_MLA (the H200 logs say so). Its kernel blocks are any multiple of 16, FLASHMLA's exactly 64: the
+    # two specs' block_stride_alignment differ and MLAAttentionSpec.merge refuses to put them in one group.
+    assert not FlashMLABackend.supports_non_causal() and TritonMLABackend.supports_non_causal()
+    draft_spec = customize_attention_spec(TritonMLABackend, MultiHeadLatentAttention.get_kv_cache_spec(
+        SimpleNamespace(kv_cache_dtype=vc.cache_config.cache_dtype, head_size=576, non_causal_multi_token_decode=True), vc))
+    assert draft_spec.block_stride_alignment != mla_spec.block_stride_alignment
     out = []
     for s, (start, end) in enumerate(stages):
         spec = {f"model.layers.{i}": (kda_spec if (i + 1) in kda_layers else mla_spec) for i in range(start, end)}
@@ -185,6 +188,8 @@ def test_kimi_k3_slice_with_mla_eagle3_draft_matches_vllm(tp: int) -> None:
     mla_attention.py, what ``DeepseekV2MLAAttention`` registers), is the target MLA layer's spec, so vLLM files both
     under one key; the plan's groups, blocks and concurrency are then vLLM's. (The GQA EAGLE3 draft is refused.)"""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
+    from vllm.v1.worker.utils import customize_attention_spec
 
     from kimi_k3_serve.rehearsal.slicing import slice_draft_config, slice_text_config
     from kimi_k3_serve.models import inventory_from_config
@@ -200,9 +205,10 @@ def test_kimi_k3_slice_with_mla_eagle3_draft_matches_vllm(tp: int) -> None:
                       spec_method="eagle3", num_spec=3, model_type="kimi_k3")
     kda_layers = set(sliced["linear_attn_config"]["kda_layers"])
     (specs,), kda_spec, mla_spec = _k3_specs(vc, [(0, 8)], kda_layers, 8, 0)
-    draft_spec = MLAAttention.get_kv_cache_spec(
+    # A causal draft keeps the target's attention backend (FLASHMLA, the deploy configs pin it).
+    draft_spec = customize_attention_spec(FlashMLABackend, MLAAttention.get_kv_cache_spec(
         SimpleNamespace(kv_cache_dtype=vc.cache_config.cache_dtype, head_size=draft.layers[0].kv.head_size,
-                        sliding_window=None, indexer=None, non_causal_multi_token_decode=False), vc)
+                        sliding_window=None, indexer=None, non_causal_multi_token_decode=False), vc))
     assert draft_spec == mla_spec and hash(draft_spec) == hash(mla_spec)
     specs.update({f"draft.layers.{j}": draft_spec for j in range(draft.num_layers)})
     assert vc.cache_config.block_size == report.block_size

@@ -49,7 +49,11 @@ class AttentionPageSpec:
     """``non_causal_multi_token_decode`` (DSpark draft layers). They form their own KV-cache groups: on the H200
     runs of 2026-11-30 vLLM 0.32 made 9 groups of 1 layer for a 4-layer slice (3 KDA, 1 MLA, 5 draft) and 7 groups
     of 2 with one padding layer for an 8-layer slice (6 KDA, 2 MLA, 5 draft), which merging them into the target's
-    MLA bucket cannot give.
+    MLA bucket cannot give. vLLM's code says why: the DSpark draft's config asks for a non-causal backend and names
+    none (v1/worker/gpu/spec_decode/dspark/utils.py); FLASHMLA, the target's, does not support non-causal, so the
+    draft runs on TRITON_MLA, whose kernel blocks are any multiple of 16 where FLASHMLA's are exactly 64.
+    ``customize_attention_spec`` (v1/worker/utils.py) then leaves the two specs different ``block_stride_alignment``s
+    and ``MLAAttentionSpec.merge`` refuses to group them (tests/test_kvcache_conformance.py runs that path).
 
     A causal MLA EAGLE3 draft (``Eagle3DeepseekV2ForCausalLM``) leaves it False and shares the target's MLA bucket:
     its ``MLAAttention.get_kv_cache_spec`` (layers/attention/mla_attention.py) builds the same ``MLAAttentionSpec``
