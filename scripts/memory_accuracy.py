@@ -128,9 +128,9 @@ def predict_run(run_dir: Path):
     from kimi_k3_serve.planning.layout import RankDevice
     from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 
-    reading = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"))
     host = json.loads((run_dir.parent / "host.json").read_text())
     total = host["torch_devices"][0]["total_bytes"]
+    reading = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"), device_total_bytes=total)
     worker = reading.workers[0] if reading.workers else None
     free = worker.free_at_start_bytes if worker and worker.free_at_start_bytes else total
     ns = build_parser().parse_args(["rehearse", *_recorded_flags(run_dir)])

@@ -25,6 +25,7 @@ from kimi_k3_serve.units import GiB
 
 RUNS = REPO_ROOT / "tests" / "fixtures" / "gpu" / "2026-11-30"
 TWO_GPUS = REPO_ROOT / "tests" / "fixtures" / "gpu" / "2026-11-30-two-gpus"
+SECOND_HOST = REPO_ROOT / "tests" / "fixtures" / "gpu" / "2026-11-30-second-host"
 H200 = RankDevice(150109880320, (9, 0), name="NVIDIA H200")  # torch's total on the host (host.json)
 
 
@@ -123,6 +124,19 @@ def test_plan_short_at_warmup_by_what_vllm_was_short() -> None:
     assert abs(rank.warmup_shortfall_bytes - measured_short) <= flashkda.margin_bytes
     safe_budget = math.ceil(report.safe_gpu_memory_utilization * rank.total_bytes)
     assert rank.budget_bytes - safe_budget >= measured_short
+
+
+def test_a_near_miss_gives_its_budget_and_cuda_graph_estimate_once_the_total_is_known() -> None:
+    # The 8-layer slice stopped before vLLM's summary line (max_num_seqs over the state blocks), so the log never
+    # printed the GPU's total; its utilization line still says 0.9200 is 0.8927 without the CUDA-graph estimate.
+    log = (SECOND_HOST / "k8-tp1-serve-defaults-dspark" / "vllm.log").read_text()
+    alone = parse_vllm_log(log).workers[0]
+    assert alone.cuda_graph_estimate_bytes is None and alone.requested_bytes is None
+    total = json.loads((SECOND_HOST / "host.json").read_text())["torch_devices"][0]["total_bytes"]
+    w = parse_vllm_log(log, device_total_bytes=total).workers[0]
+    assert w.cuda_graph_estimate_bytes == round((0.92 - 0.8927) * total)  # 3.82 GiB, against 3.55 at 4 layers
+    assert w.requested_bytes == math.ceil(0.92 * total)
+    assert abs(w.profiled_non_kv_bytes - 2.19 * GiB) <= 0.01 * GiB  # requested - CUDA graphs - KV (0.92) - weights
 
 
 def test_a_run_stopped_while_loading_has_no_verdict() -> None:

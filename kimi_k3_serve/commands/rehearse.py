@@ -418,7 +418,7 @@ def run(ns: argparse.Namespace) -> int:
     spec = {"model": str(target_dir), "engine_kwargs": kwargs}
     with PeakMemory() as peak:
         code, log, seconds = start_engine(spec, env, work, ns.timeout, progress=not ns.json)
-    reading = parse_vllm_log(log)
+    reading = parse_vllm_log(log, device_total_bytes=device.total_bytes)
     if report is not None:
         comparison = compare(report, reading)
         comparison_json = comparison.to_json()

@@ -159,8 +159,12 @@ class EngineReading:
         }
 
 
-def parse_vllm_log(text: str) -> EngineReading:
-    """Read a vLLM 0.32 engine start (stdout and stderr together) into per-worker and engine numbers."""
+def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineReading:
+    """Read a vLLM 0.32 engine start (stdout and stderr together) into per-worker and engine numbers.
+
+    ``device_total_bytes``: the GPU's total memory, where the caller knows it. vLLM prints it only in the summary
+    that ends a start; a start that stopped before it (a near-miss) still printed the utilization line, whose
+    fractions give the budget and the CUDA-graph estimate once the total is known."""
     workers: dict[int, dict[str, Any]] = {}
     order: list[int] = []
     engine: dict[str, Any] = {}
@@ -237,7 +241,7 @@ def parse_vllm_log(text: str) -> EngineReading:
             w.update(rank=world_rank, pp_rank=pp, tp_rank=tp)
     for w in workers.values():  # what the utilization line implies, where the summary line never came
         util, fraction = w.pop("_util", None), w.pop("_cg_fraction", None)
-        total = w.get("total_bytes")
+        total = w.get("total_bytes") or device_total_bytes
         if total and util is not None:
             w.setdefault("requested_bytes", math.ceil(util * total))
             w.setdefault("cuda_graph_estimate_bytes", round(fraction * total))
