@@ -96,6 +96,15 @@ def test_breakable_cuda_graphs_are_pinned_for_every_process_of_a_kimi_engine():
     assert env_vars(Layout(pp=2), opted_out, architecture="KimiLinearForCausalLM") == {BREAKABLE_CUDAGRAPH_ENV: "0"}
 
 
+def test_the_pinned_architectures_are_vllms_own():
+    # The planner cannot import vLLM; its copy of the list must stay what the installed vLLM (CUDA) auto-enables.
+    from vllm.config.vllm import DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES
+
+    from kimi_k3_serve.planning.vllm_args import BREAKABLE_CUDAGRAPH_ARCHITECTURES
+
+    assert BREAKABLE_CUDAGRAPH_ARCHITECTURES == DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES
+
+
 def test_the_rehearsal_config_deploys_the_pin(slice_cache, monkeypatch):
     from kimi_k3_serve.app import llm_config_of
     from kimi_k3_serve.planning.vllm_args import BREAKABLE_CUDAGRAPH_ENV
