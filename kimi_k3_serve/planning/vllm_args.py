@@ -35,7 +35,9 @@ every pipeline stage's worker decides on its own, at a different moment: on 2 x 
 2026-11-30-two-gpus/serve-two-nodes) stage 0 checked its CUDA-graph mode before the variable was set and fell back to
 FULL_DECODE_ONLY, stage 1 (which builds the draft's config earlier) ran FULL_AND_PIECEWISE; stage 1 padded a 3-token
 prefill to 4, stage 0 sent 3, and the engine died on the first request. Pinned in the engine's environment, every
-process agrees."""
+process agrees: the replica's ``runtime_env`` sets it before any of its processes starts, and vLLM's Ray executor
+copies it from there into each worker's ``runtime_env`` before the worker imports the model
+(``v1/executor/ray_env_utils.update_runtime_env_for_worker_import``), which it does only when the driver already has it."""
 
 
 @dataclass(frozen=True)
