@@ -297,6 +297,37 @@ def test_eagle3_draft_adds_kv_layer_and_weights() -> None:
     assert r.ranks[0].draft_bytes > 0 and r.ranks[0].bytes_per_block == plain.ranks[0].bytes_per_block * 5 // 4
 
 
+@pytest.mark.parametrize("tp", [1, 8])
+def test_eagle3_draft_on_dummy_weights_shares_the_target_lm_head(k3, tp: int) -> None:
+    """vLLM 0.32's load_eagle_model keeps an EAGLE draft's own lm_head only when load_weights saw one; the dummy
+    loader never calls it, so the draft's is freed before the load is measured (the conformance below runs vLLM's
+    own decision). The plan drops it for dummy weights, by exactly the vocab-parallel head, and says so."""
+    draft = load_model("kimi-k3-eagle3-mla")
+    spec = SpeculativeSettings("eagle3", 3, draft=draft)
+    real = estimate_memory(k3, Layout(tp=tp, pp=2), EngineSettings(max_model_len=8192, speculative=spec), device("H200"))
+    dummy = estimate_memory(k3, Layout(tp=tp, pp=2), EngineSettings(max_model_len=8192, speculative=spec,
+                                                                    load_format="dummy"), device("H200"))
+    head = -(-draft.vocab_size // (64 * tp)) * 64 * draft.hidden_size * 2  # padded to 64 rows a rank, bf16
+    last = [r.rank for r in real.ranks if r.pp_stage == 1]
+    assert last and all(real.ranks[i].draft_bytes - dummy.ranks[i].draft_bytes == head for i in last)
+    assert all(real.ranks[i].draft_bytes == dummy.ranks[i].draft_bytes == 0 for i in range(len(real.ranks)) if i not in last)
+    assert any(f"adds {head / GiB:.2f} GiB" in n for n in dummy.notes)
+    assert not any("shares the target's lm_head" in n for n in real.notes)
+
+
+def test_vllm_shares_the_lm_head_of_an_eagle3_draft_that_loaded_none() -> None:
+    from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV2ForCausalLM
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.model_executor.models.utils import process_eagle_weight
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import _should_share
+
+    for cls in (Eagle3DeepseekV2ForCausalLM, Eagle3LlamaForCausalLM):
+        draft = object.__new__(cls)  # as built, before any weight: what the dummy loader leaves
+        assert _should_share(draft, "has_own_lm_head", None, None) is True
+        process_eagle_weight(draft, "lm_head.weight")  # a checkpoint's load_weights: its own head is kept
+        assert _should_share(draft, "has_own_lm_head", None, None) is False
+
+
 def test_estimate_speed(k3, dspark) -> None:
     spec = SpeculativeSettings("dspark", 7, draft=dspark)
     devs = device("H200")

@@ -179,8 +179,7 @@ def engine_of(args: ServeArgs, target_dir: Path, executor: str, resolved_tokens:
     plan's ``max_num_batched_tokens``, what a Serve replica's vLLM picks when the config leaves it unset."""
     from kimi_k3_serve.config.args_adapter import vllm_engine_args_of
 
-    dummy = args.model_copy(update={"model": args.model.model_copy(update={"load_format": "dummy"})})
-    vllm = vllm_engine_args_of(dummy)  # args' sources are the materialized folders (target_dir, draft_dir)
+    vllm = vllm_engine_args_of(with_dummy_weights(args))  # args' sources are the materialized folders
     kwargs = vllm.engine_kwargs
     if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         kwargs["skip_tokenizer_init"] = True
@@ -190,13 +189,19 @@ def engine_of(args: ServeArgs, target_dir: Path, executor: str, resolved_tokens:
     return kwargs, vllm.env_vars
 
 
+def with_dummy_weights(args: ServeArgs) -> ServeArgs:
+    """The args as a rehearsal runs them: ``load_format: dummy``, whatever the deploy config says."""
+    return args.model_copy(update={"model": args.model.model_copy(update={"load_format": "dummy"})})
+
+
 def predict(args: ServeArgs, device):
-    """The plan's memory report for these args on ``device`` (a ``RankDevice``)."""
+    """The plan's memory report for these args on ``device`` (a ``RankDevice``), with the dummy weights the
+    rehearsal loads."""
     from kimi_k3_serve.config.args_adapter import planner_inputs
     from kimi_k3_serve.planning.layout import Layout
     from kimi_k3_serve.planning.memory import estimate_memory
 
-    model, engine, pins = planner_inputs(args)
+    model, engine, pins = planner_inputs(with_dummy_weights(args))
     layout = Layout(tp=pins.tp, pp=pins.pp, ep=bool(pins.ep), dp=pins.dp, layer_partition=pins.layer_partition)
     return estimate_memory(model, layout, engine, device)
 

@@ -73,7 +73,7 @@ def _eagle3(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
     extra = [
         TensorSpec("fc.weight", (hidden, 3 * target_hidden), dtype, REPLICATED, "draft"),
         norm("norm", hidden, dtype, "draft"),
-        TensorSpec("lm_head.weight", (draft_vocab, hidden), dtype, VOCAB, "draft"),
+        TensorSpec("lm_head.weight", (draft_vocab, hidden), dtype, VOCAB, "draft_lm_head"),
     ]
     if draft_vocab != vocab:
         extra += [TensorSpec("d2t", (draft_vocab,), "int64", REPLICATED, "draft"),
@@ -228,8 +228,9 @@ def _eagle3_mla(config: Mapping[str, Any], architecture: str, *, name: str, sour
         # ReplicatedLinear with params_dtype = the target's dtype.
         TensorSpec("fc.weight", (hidden, target_hidden * num_aux), dtype, REPLICATED, "draft"),
         norm("norm", hidden, dtype, "draft"),
-        # Its own ParallelLMHead, as a checkpoint with lm_head weights keeps it (llm_base_proposer._maybe_share_lm_head).
-        TensorSpec("lm_head.weight", (draft_vocab, hidden), dtype, VOCAB, "draft"),
+        # Its own ParallelLMHead, as a checkpoint with lm_head weights keeps it (v1/worker/gpu/spec_decode/eagle/
+        # utils.py load_eagle_model); dummy weights share the target's (memory._draft_bytes).
+        TensorSpec("lm_head.weight", (draft_vocab, hidden), dtype, VOCAB, "draft_lm_head"),
     ]
     if r.get("fc_norm", False):
         extra.append(TensorSpec("fc_norm.*.weight", (target_hidden,), dtype, REPLICATED, "draft", count=num_aux))

@@ -35,6 +35,7 @@ CATEGORIES = (
     "norms",
     "vision",
     "draft",
+    "draft_lm_head",
     "runtime_copies",
 )
 

@@ -331,6 +331,12 @@ def estimate_memory(
     draft = spec.draft if spec else None
     if spec and draft is None:
         notes.append("speculative draft config not given: its weights and KV layers are not counted")
+    if draft is not None and engine.load_format == "dummy":
+        head = draft.group_bytes("draft_extra", spec.draft_tp or layout.tp, spec.draft_tp or layout.tp, False)
+        if head.get("draft_lm_head"):
+            notes.append(f"dummy weights: the draft shares the target's lm_head, as vLLM does when no checkpoint gives it "
+                         f"one; a draft checkpoint with its own lm_head adds {head['draft_lm_head'] / GiB:.2f} GiB per GPU "
+                         f"of the last stage")
     if optimisations is None:
         optimisations = decide_optimisations(model, layout, engine, cc, True, max_num_batched_tokens=mnbt, max_num_seqs=seqs)
     sp = optimisations.sequence_parallel
@@ -357,7 +363,7 @@ def estimate_memory(
         if eplb_weights:  # the redundant experts: exact, whole experts like the others
             weights += eplb_weights
             by_cat = {**by_cat, "routed_experts": by_cat.get("routed_experts", 0) + eplb_weights}
-        draft_bytes = _draft_bytes(model, draft, spec, layout, s) if spec else 0
+        draft_bytes = _draft_bytes(model, draft, spec, layout, s, engine.load_format) if spec else 0
         act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft)
         non_torch = NON_TORCH_TP1 if layout.tp == 1 else NON_TORCH_TP2 if layout.tp == 2 else NON_TORCH_TP_MULTI
         nt_margin = GiB if layout.tp > 1 else GiB // 4
@@ -586,9 +592,15 @@ def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings
     return result
 
 
-def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layout: Layout, stage: int) -> int:
+def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layout: Layout, stage: int,
+                 load_format: str = "auto") -> int:
     """The draft's weights on the last stage, plus the target embedding vLLM builds there under PP for
-    EAGLE-family drafts (models/utils.py ``spec_decode_needs_target_embed``)."""
+    EAGLE-family drafts (models/utils.py ``spec_decode_needs_target_embed``).
+
+    With dummy weights an EAGLE3 draft's own lm_head is built and then freed: vLLM 0.32's ``load_eagle_model``
+    (v1/worker/gpu/spec_decode/eagle/utils.py) keeps it only when the checkpoint's weights named one
+    (``has_own_lm_head``, set by ``process_eagle_weight`` in ``load_weights``, which the dummy loader never calls),
+    and otherwise points the draft at the target's lm_head, before "Model loading took" is measured."""
     if stage != layout.pp - 1:
         return 0
     total = 0
@@ -596,11 +608,12 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
         total += sum(model.group_bytes("embedding", layout.tp, layout.tp * layout.dp, layout.ep).values())
     if draft is not None:
         dtp = spec.draft_tp or layout.tp
-        key = ("draft_total", dtp)
+        key = ("draft_total", dtp, load_format)
         own = _memo(draft).get(key)
         if own is None:
             own = sum(sum(d.values()) for d in draft.layer_bytes(dtp, dtp, False))
-            own += sum(draft.group_bytes("draft_extra", dtp, dtp, False).values())
+            extra = draft.group_bytes("draft_extra", dtp, dtp, False)
+            own += sum(v for k, v in extra.items() if not (k == "draft_lm_head" and load_format == "dummy"))
             _memo(draft)[key] = own
         total += own
     return total
