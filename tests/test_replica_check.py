@@ -175,6 +175,17 @@ def test_bundle_order_applied_and_stages_talk(gpu_cluster, reserved):
     assert hook.result.report.fits and {r.node for r in hook.result.report.rows} == {a, b}
 
 
+def test_every_rank_of_a_replica_talks_across_its_two_nodes(gpu_cluster, reserved):
+    """The smoke test with a process per GPU, not per stage (the 8-rank run of a TP4 x PP2 replica on 2 x 4 GPUs): one
+    all-reduce over the 8 and a send/recv chain through them, over gloo, and its line names ranks and nodes."""
+    from kimi_k3_serve.checks.replica import comm_smoke_test
+
+    table = {int(k): v for k, v in placement_group_table(reserved)["bundles_to_node_id"].items()}
+    bundles = sorted(table, key=lambda i: (table[i], i))  # node by node, as the stages are
+    line = comm_smoke_test(reserved, bundles, [table[i][:8] for i in bundles], backend="gloo", timeout_s=120)
+    assert "gloo all-reduce and stage-to-stage send/recv across 8 ranks on 2 nodes" in line, line
+
+
 def test_replica_whose_gpu_lost_memory_is_refused_before_engine_start(gpu_cluster):
     from kimi_k3_serve.checks.preflight import check_before_deploy
 

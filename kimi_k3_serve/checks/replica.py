@@ -166,7 +166,8 @@ def _comm_participant(init_method: str, rank: int, world: int, backend: str, tim
 def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str], *, backend: str, timeout_s: float,
                     env: Mapping[str, str] | None = None) -> str:
     """All-reduce and stage-to-stage send/recv between the given bundles' nodes (one process each, in stage
-    order). Returns a line for the log; raises ``ReplicaCheckError`` naming the nodes on failure or timeout."""
+    order; ``nodes``: each bundle's node). Returns a line for the log; raises ``ReplicaCheckError`` naming the nodes
+    on failure or timeout."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -204,7 +205,8 @@ def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str],
     if bad:
         raise ReplicaCheckError(f"{backend} smoke test between the nodes {path} returned wrong values on rank(s) "
                                 f"{[r['rank'] for r in bad]}")
-    return (f"communication: {backend} all-reduce and stage-to-stage send/recv across {world} nodes ({path}) "
+    across = f"{world} nodes" if len(set(nodes)) == world else f"{world} ranks on {len(set(nodes))} nodes"
+    return (f"communication: {backend} all-reduce and stage-to-stage send/recv across {across} ({path}) "
             f"in {time.perf_counter() - started:.2f} s")
 
 
