@@ -8,7 +8,10 @@ sees no GPU (CI is CPU-only); scripts/gpu/run_all.sh runs them on the GPU host.
   the nodes), the OpenAI API with the stock client, and vLLM's stage 1 on the node the plan chose;
 - ``serve run`` of the same app at DP2 x EP2 on one node of two GPUs (Ray Serve LLM's DP builder, a replica per
   DP rank, the replica check on every rank);
-- the NCCL smoke test across two nodes, and its message when the second node's GPU is gone.
+- the NCCL smoke test across two nodes, and its message when the second node's GPU is gone;
+- on a host of eight GPUs: a rehearsal at TP8, ``serve run`` at TP4 x PP2 across two Ray nodes of four GPUs (every
+  worker on its planned node, with its stage's weights), and the NCCL smoke test over all eight ranks, passing and
+  with one rank's GPU gone.
 
 Logs and readings go to ``$KIMI_K3_SERVE_GPU_OUT`` (default: a temp folder), to be kept as dated fixtures.
 """
@@ -99,6 +102,15 @@ def test_rehearse_kimi_slice_on_two_gpus(kimi_slice) -> None:
     result = rehearse("rehearse-tp2", "--tp", "2", "--pp", "1")
     assert_rehearsal_matches_plan(result)
     assert len(result["reading"]["workers"]) == 2
+
+
+def test_rehearse_kimi_slice_on_eight_gpus(kimi_slice) -> None:
+    """Kimi-K3's own TP degree: each rank holds 12 of the 96 KDA heads, the whole MLA cache and an eighth of every
+    expert; every rank's weights against the plan's."""
+    need_gpus(8)
+    result = rehearse("rehearse-tp8", "--tp", "8", "--pp", "1")
+    assert_rehearsal_matches_plan(result)
+    assert len(result["comparison"]["ranks"]) == 8
 
 
 # -- two Ray nodes on one host --------------------------------------------------------------------------------------
@@ -236,30 +248,86 @@ def test_serve_run_on_one_gpu(kimi_slice, one_node) -> None:
     serve_and_query(one_gpu_config(out), cluster.address, temp_dir, out, check)
 
 
-def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
+def planned_ranks(config: Path) -> list[dict]:
+    """The plan's ranks for a deploy config (``rehearse --executor ray --dry-run``: the config's GPU type, no GPU read)."""
+    done = subprocess.run([sys.executable, "-m", "kimi_k3_serve.cli", "rehearse", "--config", str(config), "--executor",
+                           "ray", "--dry-run", "--json"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)["plan"]["ranks"]
+
+
+def check_stages_placed_as_planned(cluster, logs: str, config: Path) -> dict:
+    """Every vLLM Ray worker of the last pipeline stage runs on the node the replica check chose for that stage and
+    the others elsewhere; each worker loaded the weights the plan gives its stage and TP rank, so the layer split the
+    plan chose is the one vLLM applied. ``logs``: the session's logs, where each worker labels its lines."""
     import ray
     from ray.util.state import list_actors
 
+    from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
+
+    ray.init(address=cluster.address, ignore_reinit_error=True, log_to_driver=False)
+    try:
+        nodes = {a.pid: a.node_id for a in list_actors(filters=[("class_name", "=", "RayWorkerWrapper"), ("state", "=", "ALIVE")])}
+    finally:
+        ray.shutdown()
+    chosen = re.search(r"VLLM_RAY_BUNDLE_INDICES=[\d,]+ \(last stage on node (\w+)\)", logs)
+    assert chosen, "the replica check's bundle-order line is not in the logs"
+    workers = {w.pid: w for w in parse_vllm_log(logs).workers if w.pid in nodes}
+    assert len(workers) == len(nodes) and all(w.pp_rank is not None for w in workers.values()), (nodes, workers)
+    last = max(w.pp_rank for w in workers.values())
+    for pid, w in workers.items():
+        assert (nodes[pid] == chosen[1]) == (w.pp_rank == last), \
+            f"stage {w.pp_rank}'s worker {pid} is on {nodes[pid]}; the plan chose {chosen[1]} for the last stage"
+    plan = planned_ranks(config)
+    for w in workers.values():
+        rank = next(r for r in plan if r["pp_stage"] == w.pp_rank and r["tp_rank"] == (w.tp_rank or 0))
+        planned = rank["weights_bytes"] + rank["draft_bytes"]
+        # vLLM prints GiB to 2 decimals: +-0.005 GiB is its resolution.
+        assert abs(w.model_load_bytes - planned) <= max(0.005 * w.model_load_bytes, 0.006 * 2**30), \
+            (w.pp_rank, w.tp_rank, planned, w.model_load_bytes)
+    return {"workers": {str(pid): {"node": nodes[pid], "pp_rank": w.pp_rank, "tp_rank": w.tp_rank,
+                                   "model_load_bytes": w.model_load_bytes} for pid, w in workers.items()},
+            "planned_last_stage_node": chosen[1]}
+
+
+def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
     cluster, temp_dir = two_nodes
+    config = REPO_ROOT / "deploy" / "gpu-rehearsal.yaml"
 
     def check(logs: str) -> dict:
-        # vLLM's stage 1 runs on the node the replica check chose for the last stage.
-        ray.init(address=cluster.address, ignore_reinit_error=True, log_to_driver=False)
-        workers = {a.pid: a.node_id for a in list_actors(filters=[("class_name", "=", "RayWorkerWrapper"), ("state", "=", "ALIVE")])}
-        chosen = re.search(r"VLLM_RAY_BUNDLE_INDICES=[\d,]+ \(last stage on node (\w+)\)", logs)
-        assert chosen, "the replica check's bundle-order line is not in the logs"
-        stage1_pid = None
-        for path in Path(temp_dir).glob("session_*/logs/worker-*"):
-            if re.search(r"is assigned as DP rank 0, PP rank 1,", path.read_text(errors="replace")):
-                stage1_pid = int(path.stem.rsplit("-", 1)[-1])
-        assert stage1_pid in workers, (stage1_pid, workers)
-        assert workers[stage1_pid] == chosen[1], f"stage 1 on {workers[stage1_pid]}, the plan chose {chosen[1]}"
         assert "communication: nccl all-reduce and stage-to-stage send/recv across 2 nodes" in logs
-        ray.shutdown()
-        return {"workers": {str(k): v for k, v in workers.items()}, "stage1_pid": stage1_pid,
-                "planned_last_stage_node": chosen[1]}
+        return check_stages_placed_as_planned(cluster, logs, config)
 
-    serve_and_query(REPO_ROOT / "deploy" / "gpu-rehearsal.yaml", cluster.address, temp_dir, OUT / "serve-two-nodes", check)
+    serve_and_query(config, cluster.address, temp_dir, OUT / "serve-two-nodes", check)
+
+
+@pytest.fixture
+def two_nodes_of_four_gpus():
+    need_gpus(8)
+    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
+
+    cluster = raylets_per_gpu_group([["0", "1", "2", "3"], ["4", "5", "6", "7"]], num_cpus=16)
+    try:
+        yield cluster, cluster.head_node.get_temp_dir_path()
+    finally:
+        cluster.shutdown()
+
+
+def test_serve_run_tp4_pp2_across_two_ray_nodes_of_four_gpus(kimi_slice, two_nodes_of_four_gpus) -> None:
+    """The 2-node deploy configs' shape (TP8 x PP2 on 16 GPUs) at half scale: a TP group of four per node, DSpark on
+    the last stage, the replica check's NCCL test across the two nodes, every worker on its planned node with the
+    planned share of the weights, and the OpenAI API answering."""
+    cluster, temp_dir = two_nodes_of_four_gpus
+    out = OUT / "serve-tp4-pp2-two-nodes"
+    out.mkdir(parents=True, exist_ok=True)
+    config = rehearsal_config_with(out, "gpu-rehearsal-tp4-pp2.yaml", {"tensor_parallel_size": 4, "pipeline_parallel_size": 2})
+
+    def check(logs: str) -> dict:
+        assert "replica check passed in" in logs, "the replica check did not pass (or logged nothing)"
+        assert "communication: nccl all-reduce and stage-to-stage send/recv across 2 nodes" in logs
+        return check_stages_placed_as_planned(cluster, logs, config)
+
+    serve_and_query(config, cluster.address, temp_dir, out, check)
 
 
 @pytest.fixture
@@ -294,32 +362,63 @@ def test_serve_run_at_dp2_ep2(kimi_slice, two_gpu_node) -> None:
     serve_and_query(config, cluster.address, temp_dir, out, check)
 
 
-def _comm_test_on(cluster) -> str:
+def _comm_test_on(cluster, ranks: int = 2) -> str:
+    """The replica check's NCCL smoke test over ``ranks`` one-GPU bundles of the cluster (node by node, as pipeline
+    stages are), each named by its node."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     from kimi_k3_serve.checks.replica import comm_smoke_test
 
     ray.init(address=cluster.address, ignore_reinit_error=True, log_to_driver=False)
-    pg = placement_group([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], strategy="STRICT_SPREAD")
+    pg = placement_group([{"CPU": 1, "GPU": 1}] * ranks, strategy="STRICT_SPREAD" if ranks == 2 else "PACK")
     ray.get(pg.ready(), timeout=60)
     try:
-        return comm_smoke_test(pg, [0, 1], ["node-a", "node-b"], backend="nccl", timeout_s=60)
+        table = {int(k): v for k, v in placement_group_table(pg)["bundles_to_node_id"].items()}
+        names = {node: f"node-{'abcdefgh'[i]}" for i, node in enumerate(dict.fromkeys(table[b] for b in sorted(table)))}
+        bundles = sorted(table, key=lambda b: (list(names).index(table[b]), b))
+        return comm_smoke_test(pg, bundles, [names[table[b]] for b in bundles], backend="nccl", timeout_s=60)
     finally:
         remove_placement_group(pg)
         ray.shutdown()
 
 
 def test_nccl_smoke_test_fails_clearly_without_the_second_gpu() -> None:
-    """The second raylet claims a GPU that is not there (its CUDA_VISIBLE_DEVICES names no device)."""
+    """The second raylet claims a GPU that is not there (its CUDA_VISIBLE_DEVICES names the first id past this host's
+    GPUs, no device)."""
     from kimi_k3_serve.checks.replica import ReplicaCheckError
 
     need_gpus(1)
-    cluster = start_two_node_cluster(second_gpu="7")
+    cluster = start_two_node_cluster(second_gpu=str(GPUS))
     try:
         started = time.monotonic()
         with pytest.raises(ReplicaCheckError, match=r"nccl smoke test between the nodes node-a -> node-b failed") as info:
             _comm_test_on(cluster)
         (OUT / "nccl-gpu-missing.txt").write_text(f"{time.monotonic() - started:.1f} s\n{info.value}\n")
+    finally:
+        cluster.shutdown()
+
+
+def test_nccl_smoke_test_at_eight_ranks_across_two_nodes_of_four_gpus(two_nodes_of_four_gpus) -> None:
+    """Every GPU of a TP4 x PP2 replica in one all-reduce and one send/recv chain, across the two nodes; its time."""
+    cluster, _ = two_nodes_of_four_gpus
+    started = time.monotonic()
+    line = _comm_test_on(cluster, ranks=8)
+    (OUT / "nccl-eight-ranks.txt").write_text(f"{time.monotonic() - started:.1f} s\n{line}\n")
+    assert "nccl all-reduce and stage-to-stage send/recv across 8 ranks on 2 nodes" in line, line
+
+
+def test_nccl_smoke_test_at_eight_ranks_fails_clearly_without_one_gpu() -> None:
+    """One rank's GPU is taken away: the second raylet's fourth GPU id names no device."""
+    from kimi_k3_serve.checks.replica import ReplicaCheckError
+    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
+
+    need_gpus(8)
+    cluster = raylets_per_gpu_group([["0", "1", "2", "3"], ["4", "5", "6", str(GPUS)]], num_cpus=16)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ReplicaCheckError, match=r"nccl smoke test between the nodes node-a -> .* -> node-b failed") as info:
+            _comm_test_on(cluster, ranks=8)
+        (OUT / "nccl-eight-ranks-gpu-missing.txt").write_text(f"{time.monotonic() - started:.1f} s\n{info.value}\n")
     finally:
         cluster.shutdown()

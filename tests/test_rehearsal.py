@@ -478,6 +478,19 @@ def test_rehearse_dry_run_with_the_mla_eagle3_draft(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["plan"]["verdict"] == "fits"
 
 
+@pytest.mark.parametrize("job", accuracy.matrix.SETS["tp8"], ids=lambda j: j.name)
+def test_the_eight_gpu_matrix_fits_eight_h200s_in_the_layout_it_names(job, capsys) -> None:
+    """Each job of the 8-GPU set, dry-run as the host will start it: vLLM's kwargs name its TP x PP, it takes all
+    eight GPUs, and the plan fits (a job the plan refused would measure nothing of the per-rank layout)."""
+    assert main(["rehearse", *job.args, "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kwargs = out["engine_kwargs"]
+    assert kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"] == job.gpus == len(out["gpus"]) == 8
+    assert out["plan"]["verdict"] == "fits", out["plan"]
+    ranks = out["plan"]["ranks"]
+    assert len(ranks) == 8 and {r["pp_stage"] for r in ranks} == set(range(kwargs["pipeline_parallel_size"]))
+
+
 def test_engine_processes_that_outlive_the_run_are_stopped(tmp_path) -> None:
     """A DP rank leaves with os._exit and its engine core is orphaned with the GPU: the rehearsal remembers every
     process the run started and stops those still alive when it ends."""

@@ -94,6 +94,13 @@ SETS: dict[str, list[Job]] = {
         # whole attention, its own KV cache and KDA states, and 448 of a layer's 896 experts.
         kimi("k4-dp2-ep2-serve-defaults-dspark", 4, dp=2, ep=True, expected_s=240),
     ],
+    # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
+    # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
+    "tp8": [
+        kimi("k4-tp8-serve-defaults-dspark", 4, tp=8, expected_s=300),
+        kimi("k4-tp4-pp2-serve-defaults-dspark", 4, tp=4, pp=2, expected_s=300),
+        kimi("k8-tp8-b8192-s1024-u092-eagle3-mla", 8, tp=8, tokens=8192, seqs=1024, draft=EAGLE3_MLA, expected_s=300),
+    ],
 }
 
 

@@ -10,6 +10,7 @@
 #   matrix-tp1     rehearsals on one GPU each, side by side (Kimi-K3 slices, Llama-3.1-8B, Qwen3-30B-A3B, DeepSeek-V2-Lite)
 #   tests-rehearse the GPU tests that rehearse a Kimi-K3 slice on one GPU and on two (pytest -m gpu -k rehearse)
 #   matrix-tp2     rehearsals on both GPUs (TP2, and PP2 on one node)
+#   matrix-tp8     rehearsals on eight GPUs (TP8, and TP4 x PP2 on one node); skipped on a host with fewer
 #   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes, at DP2 x EP2, + the NCCL test (pytest -m gpu -k "serve or nccl")
 #                  (KIMI_K3_SERVE_GPU_TESTS="EXPR" runs the tests that pytest -k EXPR selects instead, in either tests phase)
 #   bench          serving speed, bare vLLM vs our Serve path (scripts/bench_serving.py --preset $KIMI_K3_SERVE_BENCH, default h200-llama-8b) -> $OUT/bench
@@ -88,6 +89,7 @@ run_phase() {
   case "$1" in
     matrix-tp1) python3 scripts/gpu/matrix.py --set tp1 --deadline "$(left)" --work "$runs/tp1" --out "$out" "${matrix_args[@]}" ;;
     matrix-tp2) python3 scripts/gpu/matrix.py --set tp2 --deadline "$(left)" --work "$runs/tp2" --out "$out" "${matrix_args[@]}" ;;
+    matrix-tp8) python3 scripts/gpu/matrix.py --set tp8 --deadline "$(left)" --work "$runs/tp8" --out "$out" "${matrix_args[@]}" ;;
     tests-rehearse|tests-serve)
       local k="rehearse"; [ "$1" = tests-serve ] && k="serve or nccl"
       k="${KIMI_K3_SERVE_GPU_TESTS:-$k}"  # a pytest -k expression: the tests of this call only
@@ -107,7 +109,7 @@ run_phase() {
   restore_jit_cache
   make_models
   if [ "$phase" = all ]; then
-    for p in matrix-tp1 tests-rehearse matrix-tp2 tests-serve; do phase=$p; deadline=100000; run_phase "$p"; done
+    for p in matrix-tp1 tests-rehearse matrix-tp2 matrix-tp8 tests-serve; do phase=$p; deadline=100000; run_phase "$p"; done
   else
     run_phase "$phase"
   fi
