@@ -58,6 +58,9 @@ SERVE_RUNS = {
     # The same app at PP2 across two Ray nodes (test_serve_run_across_two_ray_nodes, 2 x H200): its vllm.log is the
     # replica's log and both stages' worker logs.
     "serve-two-nodes": matrix.kimi("serve-two-nodes", 4, pp=2, tokens=8192, seqs=64, util=0.85),
+    # The same with the MLA EAGLE3 draft in place of DSpark (test_serve_run_with_the_mla_eagle3_draft_across_two_ray_nodes).
+    "serve-two-nodes-eagle3-mla": matrix.kimi("serve-two-nodes-eagle3-mla", 4, pp=2, tokens=8192, seqs=64, util=0.85,
+                                              draft=matrix.EAGLE3_MLA),
     # At TP4 x PP2 across two Ray nodes of four GPUs (test_serve_run_tp4_pp2_across_two_ray_nodes_of_four_gpus, 8 GPUs).
     "serve-tp4-pp2-two-nodes": matrix.kimi("serve-tp4-pp2-two-nodes", 4, tp=4, pp=2, tokens=8192, seqs=64, util=0.85),
 }

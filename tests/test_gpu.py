@@ -5,7 +5,8 @@ sees no GPU (CI is CPU-only); scripts/gpu/run_all.sh runs them on the GPU host.
 - ``serve run`` of the same app on one GPU (TP1 x PP1), with the replica check and the predicted-vs-vLLM KV line;
 - ``serve run deploy/gpu-rehearsal.yaml`` across two Ray nodes (two raylets, one GPU each): TP1 x PP2, DSpark on
   the last stage, the replica check on the reserved placement group (NVML -> Ray GPU ids, bundle order, NCCL across
-  the nodes), the OpenAI API with the stock client, and vLLM's stage 1 on the node the plan chose;
+  the nodes), the OpenAI API with the stock client, and vLLM's stage 1 on the node the plan chose; the same with
+  the MLA EAGLE3 draft in place of DSpark;
 - ``serve run`` of the same app at DP2 x EP2 on one node of two GPUs (Ray Serve LLM's DP builder, a replica per
   DP rank, the replica check on every rank);
 - the NCCL smoke test across two nodes, and its message when the second node's GPU is gone;
@@ -142,12 +143,15 @@ def _get(url: str, timeout: float = 5) -> int:
         return 0
 
 
-def rehearsal_config_with(out: Path, name: str, parallel: dict) -> Path:
-    """deploy/gpu-rehearsal.yaml with another ``args.parallel``: the same app in another layout."""
+def rehearsal_config_with(out: Path, name: str, parallel: dict, speculative: dict | None = None) -> Path:
+    """deploy/gpu-rehearsal.yaml with another ``args.parallel`` (and ``args.speculative``): the same app in another
+    layout (with another draft)."""
     import yaml
 
     config = yaml.safe_load((REPO_ROOT / "deploy" / "gpu-rehearsal.yaml").read_text())
     config["applications"][0]["args"]["parallel"] = parallel
+    if speculative is not None:
+        config["applications"][0]["args"]["speculative"] = speculative
     path = out / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -299,6 +303,23 @@ def test_serve_run_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
         return check_stages_placed_as_planned(cluster, logs, config)
 
     serve_and_query(config, cluster.address, temp_dir, OUT / "serve-two-nodes", check)
+
+
+def test_serve_run_with_the_mla_eagle3_draft_across_two_ray_nodes(kimi_slice, two_nodes) -> None:
+    """The EAGLE3 alternative of deploy/gpu-rehearsal.yaml (the MLA draft, Eagle3DeepseekV2ForCausalLM): served with
+    the draft on the last stage, whose workers alone load its weights (less its lm_head: on dummy weights vLLM gives
+    it the target's)."""
+    cluster, temp_dir = two_nodes
+    out = OUT / "serve-two-nodes-eagle3-mla"
+    out.mkdir(parents=True, exist_ok=True)
+    config = rehearsal_config_with(out, "gpu-rehearsal-eagle3-mla.yaml", {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
+                                   {"method": "eagle3", "model": "cache:kimi-k3-slice-eagle3-mla", "num_speculative_tokens": 3})
+
+    def check(logs: str) -> dict:
+        assert "communication: nccl all-reduce and stage-to-stage send/recv across 2 nodes" in logs
+        return check_stages_placed_as_planned(cluster, logs, config)
+
+    serve_and_query(config, cluster.address, temp_dir, out, check)
 
 
 @pytest.fixture
