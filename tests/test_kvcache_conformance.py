@@ -166,6 +166,35 @@ def test_kimi_k3_tp8_pp2_matches_vllm(dspark: bool, max_model_len: int, kv_dtype
           f"block {report.block_size}, page {report.stage_ranks()[0].page_bytes:,} B; vLLM {got}")
 
 
+@pytest.mark.parametrize("dspark", [False, True], ids=["no-draft", "dspark"])
+def test_kimi_k3_fit_boundary_is_vllms(dspark: bool) -> None:
+    """The no-KV-space verdict's boundary as vLLM's own check draws it (``get_kv_cache_configs`` ->
+    ``_check_enough_kv_cache_memory``, the null block held back): a 1 Mi-token request on TP8 x PP2 at 0.80, which
+    the plan refuses with a shortfall per GPU. vLLM accepts each stage's pool grown by exactly that shortfall and
+    refuses it one byte short."""
+    model = load_model("kimi-k3")
+    num_spec = 7 if dspark else 0
+    spec = SpeculativeSettings("dspark", 7, draft=load_model("kimi-k3-dspark")) if dspark else None
+    engine = EngineSettings(max_model_len=1_048_576, max_num_seqs=16, max_num_batched_tokens=2048,
+                            gpu_memory_utilization=0.80, speculative=spec)
+    report = estimate_memory(model, Layout(tp=8, pp=2), engine, H200)
+    assert report.verdict == "no_kv_space"
+    hf, raw = _k3_hf_config()
+    vc = _vllm_config(tp=8, max_model_len=1_048_576, prefix_caching=True, block_size=64, hf_config=hf,
+                      spec_method="dspark" if dspark else None, num_spec=num_spec, model_type="kimi_k3")
+    kda_layers = set(raw["text_config"]["linear_attn_config"]["kda_layers"])
+    specs, _, _ = _k3_specs(vc, list(report.stage_layers), kda_layers, 93, 5 if dspark else 0)
+    stages = report.stage_ranks()
+    assert all(r.shortfall_bytes > 0 for r in stages)
+    with pytest.raises(ValueError, match="To serve at least one request"):
+        vku.get_kv_cache_configs(vc, specs, [r.kv_cache_bytes for r in stages])
+    enough = [r.kv_cache_bytes + r.shortfall_bytes for r in stages]
+    vku.get_kv_cache_configs(vc, specs, enough)
+    for s in range(len(stages)):
+        with pytest.raises(ValueError, match="To serve at least one request"):
+            vku.get_kv_cache_configs(vc, specs, [b - (i == s) for i, b in enumerate(enough)])
+
+
 @pytest.mark.parametrize("kv_dtype,block", [("auto", 768), ("fp8", 1536)])
 def test_kimi_k3_hybrid_block_size_matches_vllm(kv_dtype: str, block: int) -> None:
     from vllm.platforms.interface import Platform
