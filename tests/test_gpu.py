@@ -286,6 +286,7 @@ def check_stages_placed_as_planned(cluster, logs: str, config: Path) -> dict:
     for w in workers.values():
         rank = next(r for r in plan if r["pp_stage"] == w.pp_rank and r["tp_rank"] == (w.tp_rank or 0))
         planned = rank["weights_bytes"] + rank["draft_bytes"]
+        assert w.model_load_bytes is not None, f"worker {w.pid} (stage {w.pp_rank}) logged no 'Model loading took'"
         # vLLM prints GiB to 2 decimals: +-0.005 GiB is its resolution.
         assert abs(w.model_load_bytes - planned) <= max(0.005 * w.model_load_bytes, 0.006 * 2**30), \
             (w.pp_rank, w.tp_rank, planned, w.model_load_bytes)
