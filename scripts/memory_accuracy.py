@@ -107,12 +107,12 @@ def _root_cause(errors) -> str:
 
 
 def _recorded_flags(run_dir: Path) -> list[str]:
-    """The rehearsal flags the run was started with (job.json's command), else its matrix entry's."""
+    """The rehearsal flags the run was started with (job.json's command), else its matrix entry's. Files are named
+    relative to the checkout the run started in (its working directory): the same files of this one."""
     job = run_dir / "job.json"
     command = json.loads(job.read_text()).get("command") if job.is_file() else None
-    if not command or "rehearse" not in command:
-        return list(_job(run_dir.name).args)
-    flags = command[command.index("rehearse") + 1:]
+    recorded = command is not None and "rehearse" in command
+    flags = command[command.index("rehearse") + 1:] if recorded else list(_job(run_dir.name).args)
     out, skip = [], False
     for i, flag in enumerate(flags):  # where the run wrote, and how long it could take, do not change the prediction
         if skip:
@@ -120,8 +120,8 @@ def _recorded_flags(run_dir: Path) -> list[str]:
         elif flag in ("--work-dir", "--timeout"):
             skip = True
         elif flag != "--json":
-            if i and flags[i - 1] == "--config":  # the host's checkout: the same file in this one
-                flag = str(ROOT / "deploy" / Path(flag).name)
+            if i and flags[i - 1] in ("--config", "--model") and not Path(flag).is_absolute() and (ROOT / flag).exists():
+                flag = str(ROOT / flag)
             out.append(flag)
     return out
 

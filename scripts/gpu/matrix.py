@@ -56,8 +56,9 @@ def kimi(name: str, layers: int, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: b
 
 
 def other(name: str, config: str, *, tokens: int = 2048, seqs: int = 256, util: float = 0.92, expected_s: float = 120) -> Job:
-    args = ["--model", str(CONFIGS / config), "--max-model-len", "8192", "--max-num-batched-tokens", str(tokens),
-            "--max-num-seqs", str(seqs), "--gpu-memory-utilization", str(util)]
+    # Named relative to the checkout, where the jobs run (and where the accuracy replay looks them up).
+    args = ["--model", str((CONFIGS / config).relative_to(ROOT)), "--max-model-len", "8192",
+            "--max-num-batched-tokens", str(tokens), "--max-num-seqs", str(seqs), "--gpu-memory-utilization", str(util)]
     return Job(name, 1, expected_s, tuple(args), ("other",))
 
 
