@@ -34,7 +34,7 @@ from kimi_k3_serve.models.inventory import (
     TensorSpec,
 )
 from kimi_k3_serve.models.kimi_k3 import kimi_mla_absorbed
-from kimi_k3_serve.models.quant import model_dtype_of, parse_quantization
+from kimi_k3_serve.models.quant import QuantScheme, model_dtype_of, parse_quantization
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "K3DSparkModel", "Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
@@ -102,6 +102,31 @@ def _dspark_rope_table(r: ConfigReader, rope_dim: int) -> TensorSpec:
     return TensorSpec("rotary_emb.cos_sin_cache", (rows, rope_dim), "float32", REPLICATED, "runtime_copies", in_checkpoint=False)
 
 
+def _mla_draft_layer(q: QuantScheme, p: str, hidden: int, cols: int, heads: int, q_lora: int | None, kv_lora: int,
+                     rope: int, nope: int, v_dim: int, inter: int) -> list[TensorSpec]:
+    """One dense MLA decoder layer of a draft (DSpark's, the MLA EAGLE3's), reading ``cols`` wide inputs: the q and
+    kv latent projections stay whole on every rank (``DeepSeekV2FusedQkvAProjLinear``, ``disable_tp``), the heads
+    and the SwiGLU MLP are TP-split, and ``W_UK_T``/``W_UV`` are views of an unquantized ``kv_b_proj`` (Kimi-K3's
+    mla.py and layers/attention/mla_attention.py split it alike: ``kimi_mla_absorbed``)."""
+    dtype = q.model_dtype
+    if q_lora:
+        tensors = [*q.linear(f"{p}.self_attn.fused_qkv_a_proj", q_lora + kv_lora + rope, cols, REPLICATED, "draft"),
+                   norm(f"{p}.self_attn.q_a_layernorm", q_lora, dtype, "draft"),
+                   *q.linear(f"{p}.self_attn.q_b_proj", heads * (nope + rope), q_lora, TP_DIM0, "draft")]
+    else:
+        tensors = [*q.linear(f"{p}.self_attn.kv_a_proj_with_mqa", kv_lora + rope, cols, REPLICATED, "draft"),
+                   *q.linear(f"{p}.self_attn.q_proj", heads * (nope + rope), cols, TP_DIM0, "draft")]
+    return tensors + [
+        norm(f"{p}.self_attn.kv_a_layernorm", kv_lora, dtype, "draft"),
+        *q.linear(f"{p}.self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora, TP_DIM0, "draft"),
+        *q.linear(f"{p}.self_attn.o_proj", hidden, heads * v_dim, TP_DIM1, "draft"),
+        *kimi_mla_absorbed(q, f"{p}.self_attn", heads, nope, v_dim, kv_lora),
+        *gated_mlp(q, f"{p}.mlp", hidden, inter, "draft", merged=True),
+        norm(f"{p}.input_layernorm", hidden, dtype, "draft"),
+        norm(f"{p}.post_attention_layernorm", hidden, dtype, "draft"),
+    ]
+
+
 def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> ModelInventory:
     r = ConfigReader(config, source)
     dtype = model_dtype_of(config, source=source)
@@ -129,19 +154,7 @@ def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
     num_layers = r.require("num_hidden_layers")
     layers = []
     for i in range(num_layers):
-        p = f"layers.{i}"
-        tensors = [
-            *q.linear(f"{p}.self_attn.fused_qkv_a_proj", q_lora + kv_lora + rope, hidden, REPLICATED, "draft"),
-            norm(f"{p}.self_attn.q_a_layernorm", q_lora, dtype, "draft"),
-            *q.linear(f"{p}.self_attn.q_b_proj", heads * (nope + rope), q_lora, TP_DIM0, "draft"),
-            norm(f"{p}.self_attn.kv_a_layernorm", kv_lora, dtype, "draft"),
-            *q.linear(f"{p}.self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora, TP_DIM0, "draft"),
-            *q.linear(f"{p}.self_attn.o_proj", hidden, heads * v_dim, TP_DIM1, "draft"),
-            *kimi_mla_absorbed(q, f"{p}.self_attn", heads, nope, v_dim, kv_lora),
-            *gated_mlp(q, f"{p}.mlp", hidden, inter, "draft", merged=True),
-            norm(f"{p}.input_layernorm", hidden, dtype, "draft"),
-            norm(f"{p}.post_attention_layernorm", hidden, dtype, "draft"),
-        ]
+        tensors = _mla_draft_layer(q, f"layers.{i}", hidden, hidden, heads, q_lora, kv_lora, rope, nope, v_dim, inter)
         layers.append(LayerInventory(i, "mla", "dense", tuple(tensors), MlaKv(kv_lora, rope)))
     target_hidden = r.get("target_hidden_size") or hidden
     markov = r.require("markov_rank")
@@ -200,29 +213,10 @@ def _eagle3_mla(config: Mapping[str, Any], architecture: str, *, name: str, sour
     num_layers = r.require("num_hidden_layers")
     layers = []
     for i in range(num_layers):
-        p = f"layers.{i}"
         cols = 2 * hidden if i == 0 else hidden  # the first layer reads [embedding; fused target features]
-        tensors: list[TensorSpec] = []
-        if q_lora:
-            # DeepSeekV2FusedQkvAProjLinear: disable_tp=True, so the q and kv latents stay whole on every rank.
-            tensors += q.linear(f"{p}.self_attn.fused_qkv_a_proj", q_lora + kv_lora + rope, cols, REPLICATED, "draft")
-            tensors.append(norm(f"{p}.self_attn.q_a_layernorm", q_lora, dtype, "draft"))
-            tensors += q.linear(f"{p}.self_attn.q_b_proj", heads * (nope + rope), q_lora, TP_DIM0, "draft")
-        else:
-            tensors += q.linear(f"{p}.self_attn.kv_a_proj_with_mqa", kv_lora + rope, cols, REPLICATED, "draft")
-            tensors += q.linear(f"{p}.self_attn.q_proj", heads * (nope + rope), cols, TP_DIM0, "draft")
-        tensors += [
-            norm(f"{p}.self_attn.kv_a_layernorm", kv_lora, dtype, "draft"),
-            *q.linear(f"{p}.self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora, TP_DIM0, "draft"),
-            *q.linear(f"{p}.self_attn.o_proj", hidden, heads * v_dim, TP_DIM1, "draft"),
-            # the same split_kv_b_proj in layers/attention/mla_attention.py: views of an unquantized kv_b_proj
-            *kimi_mla_absorbed(q, f"{p}.self_attn", heads, nope, v_dim, kv_lora),
-            # DeepseekV2MLP with is_sequence_parallel left False: TP-split even when the target replicates its MLPs.
-            *gated_mlp(q, f"{p}.mlp", hidden, inter, "draft", merged=True),
-            norm(f"{p}.input_layernorm", hidden, dtype, "draft"),
-            norm(f"{p}.post_attention_layernorm", hidden, dtype, "draft"),
-            norm(f"{p}.hidden_norm", hidden, dtype, "draft"),  # built in every layer, read by the first only
-        ]
+        # Its DeepseekV2MLP leaves is_sequence_parallel False: TP-split even when the target replicates its MLPs.
+        tensors = _mla_draft_layer(q, f"layers.{i}", hidden, cols, heads, q_lora, kv_lora, rope, nope, v_dim, inter)
+        tensors.append(norm(f"layers.{i}.hidden_norm", hidden, dtype, "draft"))  # built in every layer, read by the first only
         layers.append(LayerInventory(i, "mla", "dense", tuple(tensors), MlaKv(kv_lora, rope)))
     extra = [
         # ReplicatedLinear with params_dtype = the target's dtype.
