@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from kimi_k3_serve.config.args import ServeArgs
 
 EXIT_STARTED, EXIT_FAILED = 0, 1
-SHIPPED_DRAFTS = {"kimi-k3-dspark", "kimi-k3-eagle3", "kimi-k3-eagle3-mla"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,7 +133,7 @@ def _model_config(source: str, field: str) -> tuple[dict[str, Any], Path | None]
     from kimi_k3_serve.models import SHIPPED, read_config
 
     name = SHIPPED_MODEL_IDS.get(source, source)
-    if name in SHIPPED or name in SHIPPED_DRAFTS:
+    if name in SHIPPED:
         return read_config(name)[0], None
     if Path(source).expanduser().is_file() and source.endswith(".json"):  # a bare config.json: enough for dummy weights
         return read_config(Path(source).expanduser())[0], None
