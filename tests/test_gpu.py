@@ -28,6 +28,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -116,23 +117,27 @@ def test_rehearse_kimi_slice_on_eight_gpus(kimi_slice) -> None:
 
 # -- two Ray nodes on one host --------------------------------------------------------------------------------------
 
-def start_two_node_cluster(second_gpu: str = "1"):
-    """Two raylets of one GPU each (``local_cluster``), so Ray sees two nodes and a PP2 placement group spans both,
-    as on two machines. ``second_gpu``: the second raylet's CUDA_VISIBLE_DEVICES."""
+@contextmanager
+def raylets(gpus_needed: int, gpu_groups: list[list[str]], **kwargs):
+    """A raylet per GPU group on this host (``local_cluster``), so Ray sees a node per group and a placement group
+    spans them as it would span machines; (cluster, its temp dir), shut down afterwards. Skips without
+    ``gpus_needed`` GPUs."""
     from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
 
-    return raylets_per_gpu_group([["0"], [second_gpu]])
-
-
-@pytest.fixture
-def two_nodes():
-    need_gpus(2)
+    need_gpus(gpus_needed)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    cluster = start_two_node_cluster()
+    cluster = raylets_per_gpu_group(gpu_groups, **kwargs)
     try:
         yield cluster, cluster.head_node.get_temp_dir_path()
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture
+def two_nodes():
+    """Two raylets of one GPU each: the mission's two nodes."""
+    with raylets(2, [["0"], ["1"]]) as cluster:
+        yield cluster
 
 
 def _get(url: str, timeout: float = 5) -> int:
@@ -228,14 +233,8 @@ def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check)
 
 @pytest.fixture
 def one_node():
-    need_gpus(1)
-    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
-
-    cluster = raylets_per_gpu_group([["0"]])
-    try:
-        yield cluster, cluster.head_node.get_temp_dir_path()
-    finally:
-        cluster.shutdown()
+    with raylets(1, [["0"]]) as cluster:
+        yield cluster
 
 
 def test_serve_run_on_one_gpu(kimi_slice, one_node) -> None:
@@ -325,14 +324,8 @@ def test_serve_run_with_the_mla_eagle3_draft_across_two_ray_nodes(kimi_slice, tw
 
 @pytest.fixture
 def two_nodes_of_four_gpus():
-    need_gpus(8)
-    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
-
-    cluster = raylets_per_gpu_group([["0", "1", "2", "3"], ["4", "5", "6", "7"]], num_cpus=16)
-    try:
-        yield cluster, cluster.head_node.get_temp_dir_path()
-    finally:
-        cluster.shutdown()
+    with raylets(8, [["0", "1", "2", "3"], ["4", "5", "6", "7"]], num_cpus=16) as cluster:
+        yield cluster
 
 
 def test_serve_run_tp4_pp2_across_two_ray_nodes_of_four_gpus(kimi_slice, two_nodes_of_four_gpus) -> None:
@@ -354,14 +347,8 @@ def test_serve_run_tp4_pp2_across_two_ray_nodes_of_four_gpus(kimi_slice, two_nod
 
 @pytest.fixture
 def two_gpu_node():
-    need_gpus(2)
-    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
-
-    cluster = raylets_per_gpu_group([["0", "1"]], num_cpus=16)
-    try:
-        yield cluster, cluster.head_node.get_temp_dir_path()
-    finally:
-        cluster.shutdown()
+    with raylets(2, [["0", "1"]], num_cpus=16) as cluster:
+        yield cluster
 
 
 def test_serve_run_at_dp2_ep2(kimi_slice, two_gpu_node) -> None:
@@ -405,20 +392,23 @@ def _comm_test_on(cluster, ranks: int = 2) -> str:
         ray.shutdown()
 
 
-def test_nccl_smoke_test_fails_clearly_without_the_second_gpu() -> None:
-    """The second raylet claims a GPU that is not there (its CUDA_VISIBLE_DEVICES names the first id past this host's
-    GPUs, no device)."""
+def assert_comm_test_fails_clearly(gpus_needed: int, gpu_groups: list[list[str]], ranks: int, match: str,
+                                   record: str, **kwargs) -> None:
+    """The NCCL smoke test on raylets one of which claims a GPU that is not there (its CUDA_VISIBLE_DEVICES names
+    the first id past this host's GPUs, no device) fails with ``match``; its time and message go to ``record``."""
     from kimi_k3_serve.checks.replica import ReplicaCheckError
 
-    need_gpus(1)
-    cluster = start_two_node_cluster(second_gpu=str(GPUS))
-    try:
+    with raylets(gpus_needed, gpu_groups, **kwargs) as (cluster, _):
         started = time.monotonic()
-        with pytest.raises(ReplicaCheckError, match=r"nccl smoke test between the nodes node-a -> node-b failed") as info:
-            _comm_test_on(cluster)
-        (OUT / "nccl-gpu-missing.txt").write_text(f"{time.monotonic() - started:.1f} s\n{info.value}\n")
-    finally:
-        cluster.shutdown()
+        with pytest.raises(ReplicaCheckError, match=match) as info:
+            _comm_test_on(cluster, ranks=ranks)
+        (OUT / record).write_text(f"{time.monotonic() - started:.1f} s\n{info.value}\n")
+
+
+def test_nccl_smoke_test_fails_clearly_without_the_second_gpu() -> None:
+    """The second of two one-GPU raylets has no GPU."""
+    assert_comm_test_fails_clearly(1, [["0"], [str(GPUS)]], 2, r"nccl smoke test between the nodes node-a -> node-b failed",
+                                   "nccl-gpu-missing.txt")
 
 
 def test_nccl_smoke_test_at_eight_ranks_across_two_nodes_of_four_gpus(two_nodes_of_four_gpus) -> None:
@@ -432,15 +422,6 @@ def test_nccl_smoke_test_at_eight_ranks_across_two_nodes_of_four_gpus(two_nodes_
 
 def test_nccl_smoke_test_at_eight_ranks_fails_clearly_without_one_gpu() -> None:
     """One rank's GPU is taken away: the second raylet's fourth GPU id names no device."""
-    from kimi_k3_serve.checks.replica import ReplicaCheckError
-    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
-
-    need_gpus(8)
-    cluster = raylets_per_gpu_group([["0", "1", "2", "3"], ["4", "5", "6", str(GPUS)]], num_cpus=16)
-    try:
-        started = time.monotonic()
-        with pytest.raises(ReplicaCheckError, match=r"nccl smoke test between the nodes node-a -> .* -> node-b failed") as info:
-            _comm_test_on(cluster, ranks=8)
-        (OUT / "nccl-eight-ranks-gpu-missing.txt").write_text(f"{time.monotonic() - started:.1f} s\n{info.value}\n")
-    finally:
-        cluster.shutdown()
+    assert_comm_test_fails_clearly(8, [["0", "1", "2", "3"], ["4", "5", "6", str(GPUS)]], 8,
+                                   r"nccl smoke test between the nodes node-a -> .* -> node-b failed",
+                                   "nccl-eight-ranks-gpu-missing.txt", num_cpus=16)
