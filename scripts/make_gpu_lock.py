@@ -10,11 +10,16 @@ Every line of a lock is ``name==version`` with the SHA-256 of each file, so ``pi
 exactly these files (pip turns on hash checking by itself when a requirement carries hashes). This package
 is installed afterwards with ``--no-deps`` (``deploy/Dockerfile``).
 
-Packages uploaded after ``--exclude-newer`` (recorded in each lock's header) are ignored, so resolving again
-gives the same pins until someone moves that date on purpose; ``--check`` does exactly that and compares.
+Resolving again is hermetic in two ways. Packages uploaded after ``--exclude-newer`` (recorded in each lock's
+header) are ignored, and the committed lock is handed to uv as its output file, so uv keeps every pin that still
+satisfies the inputs. The date alone is not enough: an index can list a release under an upload time before the
+recorded date (ml-dtypes 0.7.0 appeared that way after the lock of 2026-11-30 was written). A new upstream release
+therefore changes nothing; a real drift (an input that the committed pins no longer satisfy, a pinned file gone
+from the index) still shows as different pins. ``--upgrade`` resolves from scratch at the new date.
 
     .venv/bin/python scripts/make_gpu_lock.py            # write both locks (needs PyPI; about 30 s)
     .venv/bin/python scripts/make_gpu_lock.py --check    # resolve again, compare with the committed pins
+    .venv/bin/python scripts/make_gpu_lock.py --upgrade  # newest versions the inputs allow, as of now
 
 uv is taken from the virtual environment, then from PATH; when neither has it, it is installed into this
 interpreter's environment with pip.
@@ -91,19 +96,32 @@ def find_uv(*, install: bool) -> str | None:
     return str(beside) if beside.is_file() else shutil.which("uv")
 
 
-def compile_lock(uv: str, target: Target, exclude_newer: str, *, overrides: tuple[str, ...] = ()) -> str:
-    """The lock text for ``target``: our header, then uv's pins with hashes. Raises RuntimeError with uv's
-    message when the resolution fails."""
+OUTPUT_NAME = "requirements-gpu.txt"
+"""The output file uv writes in the temporary folder; holding the committed lock, it is uv's list of preferences."""
+
+
+def compile_command(uv: str, target: Target, exclude_newer: str, *, overrides: bool) -> list[str]:
+    """The ``uv pip compile`` call, run in a folder that holds the inputs and, as ``OUTPUT_NAME``, the pins to keep."""
+    command = [uv, "pip", "compile", INPUT_NAME, "--python-version", PYTHON_VERSION,
+               "--python-platform", target.python_platform, "--exclude-newer", exclude_newer,
+               "--generate-hashes", "--no-header", "--index-url", "https://pypi.org/simple", "--quiet",
+               "--output-file", OUTPUT_NAME]
+    return command + (["--override", "overrides.txt"] if overrides else [])
+
+
+def compile_lock(uv: str, target: Target, exclude_newer: str, *, overrides: tuple[str, ...] = (),
+                 preferred: str = "") -> str:
+    """The lock text for ``target``: our header, then uv's pins with hashes. ``preferred`` (a lock's text) is what
+    uv keeps where the inputs still allow it. Raises RuntimeError with uv's message when the resolution fails."""
     requirements = requirements_in()
     with tempfile.TemporaryDirectory(prefix="gpu-lock-") as tmp:
         (Path(tmp) / INPUT_NAME).write_text("\n".join(requirements) + "\n")
-        command = [uv, "pip", "compile", INPUT_NAME, "--python-version", PYTHON_VERSION,
-                   "--python-platform", target.python_platform, "--exclude-newer", exclude_newer,
-                   "--generate-hashes", "--no-header", "--index-url", "https://pypi.org/simple", "--quiet"]
+        (Path(tmp) / OUTPUT_NAME).write_text(preferred)
         if overrides:
             (Path(tmp) / "overrides.txt").write_text("\n".join(overrides) + "\n")
-            command += ["--override", "overrides.txt"]
+        command = compile_command(uv, target, exclude_newer, overrides=bool(overrides))
         done = subprocess.run(command, cwd=tmp, capture_output=True, text=True)
+        resolved = (Path(tmp) / OUTPUT_NAME).read_text()
     if done.returncode != 0:
         raise RuntimeError(f"uv pip compile failed for {target.python_platform} (exit {done.returncode}): "
                            + (done.stderr.strip().splitlines() or ["no message"])[-1])
@@ -116,7 +134,7 @@ def compile_lock(uv: str, target: Target, exclude_newer: str, *, overrides: tupl
         f"# exclude-newer: {exclude_newer}",
         "# Install: pip install -r <this file>, then pip install --no-deps <the kimi-k3-serve checkout> (deploy/Dockerfile).",
     ]
-    return "\n".join(header) + "\n" + done.stdout
+    return "\n".join(header) + "\n" + resolved
 
 
 def pins(text: str) -> dict[str, str]:
@@ -149,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                                                 "writing; the lock's recorded time with --check)")
     parser.add_argument("--override", action="append", default=[], metavar="NAME==VERSION",
                         help="force a version over what the packages ask for (uv --override); repeatable")
-    parser.add_argument("--check", action="store_true", help="resolve again and compare the pins; write nothing")
+    parser.add_argument("--check", action="store_true", help="resolve again at the lock's date, keeping its pins "
+                                                             "where the inputs allow; compare; write nothing")
+    parser.add_argument("--upgrade", action="store_true", help="resolve from scratch instead of keeping the "
+                                                               "committed pins")
     args = parser.parse_args(argv)
     uv = find_uv(install=not args.check)
     if uv is None:
@@ -164,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         exclude_newer = args.exclude_newer or (recorded_exclude_newer(committed) if args.check else None) or now
         overrides = tuple(args.override) or tuple(re.findall(r"^# override: (\S+)$", committed, re.MULTILINE))
         try:
-            text = compile_lock(uv, target, exclude_newer, overrides=overrides)
+            text = compile_lock(uv, target, exclude_newer, overrides=overrides,
+                                preferred="" if args.upgrade else committed)
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

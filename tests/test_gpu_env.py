@@ -2,18 +2,22 @@
 and the image built from it (``deploy/Dockerfile``).
 
 The locks must pin the stack the planner was written for (ray 2.60.0, vllm 0.32.0, a torch), every line must
-be ``name==version`` with file hashes, and every runtime dependency of this package must be in them. When uv
-and PyPI are reachable, resolving again with the lock's recorded ``exclude-newer`` must give the same pins.
+be ``name==version`` with file hashes, and every runtime dependency of this package must be in them, at a version
+its requirement allows. These checks read only the repository, so what a package index holds today cannot change
+their result. Resolving again against the index (the lock's recorded ``exclude-newer``, the committed pins kept
+where the inputs allow) runs only when asked for: ``KIMI_K3_SERVE_LOCK_ONLINE=1``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import socket
 import sys
 
 import pytest
+from packaging.requirements import Requirement
 
 from conftest import REPO_ROOT
 
@@ -61,6 +65,29 @@ def test_lock_follows_pyproject_runtime_dependencies():
     assert set(make_gpu_lock.runtime_dependencies()) <= set(listed)
 
 
+@pytest.mark.parametrize("platform", LOCKS)
+def test_every_input_is_pinned_at_a_version_it_allows(platform):
+    """A requirement tightened in pyproject.toml (pyyaml>=7, say) that the committed pin no longer meets is a real
+    drift: caught here without asking any index."""
+    pins = make_gpu_lock.pins(LOCKS[platform].read_text())
+    for line in make_gpu_lock.requirements_in():
+        requirement = Requirement(line)
+        version = pins[_requirement_name(line)]
+        assert requirement.specifier.contains(version, prereleases=True), f"{line}: the lock pins {version}"
+
+
+def test_a_check_resolves_at_the_locks_date_keeping_its_pins():
+    """The re-resolution is hermetic by construction: the recorded date, and the committed lock as uv's output
+    file, whose pins uv keeps (a release listed after the lock was written, under an earlier upload time, cannot
+    move them)."""
+    target = make_gpu_lock.TARGETS["x86_64"]
+    recorded = make_gpu_lock.recorded_exclude_newer(target.lock.read_text())
+    command = make_gpu_lock.compile_command("uv", target, recorded, overrides=False)
+    assert command[command.index("--exclude-newer") + 1] == recorded
+    assert command[command.index("--output-file") + 1] == make_gpu_lock.OUTPUT_NAME
+    assert "--upgrade" not in command
+
+
 def test_dockerfile_installs_the_lock_then_the_package_without_dependencies():
     text = (REPO_ROOT / "deploy" / "Dockerfile").read_text()
     base = re.search(r"^FROM (\S+)", text, re.MULTILINE).group(1)
@@ -79,6 +106,8 @@ def _pypi_reachable() -> bool:
         return False
 
 
+@pytest.mark.skipif(os.environ.get("KIMI_K3_SERVE_LOCK_ONLINE") != "1",
+                    reason="asks the package index: set KIMI_K3_SERVE_LOCK_ONLINE=1 to run it")
 def test_resolving_again_gives_the_same_pins(capsys):
     uv = make_gpu_lock.find_uv(install=False)
     if uv is None:
