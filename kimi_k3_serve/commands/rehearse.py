@@ -7,11 +7,15 @@ Examples:
   kimi-k3-serve rehearse --model kimi-k3 --layers 4 --tp 2 --max-model-len 8192 --json
   kimi-k3-serve rehearse --model kimi-k3 --layers 4 --dp 2 --enable-expert-parallel   # DP2 x EP2 on 2 GPUs
   kimi-k3-serve rehearse --config deploy/config.yaml --dry-run          # what would start, no GPU needed
+  kimi-k3-serve rehearse --config deploy/config.yaml --rank-of 1        # one TP8 rank of stage 1, full depth, 1 GPU
 
 The engine kwargs and env are the ones the application builder deploys (``args_adapter.vllm_engine_args_of``,
 the plan's one translation to vLLM), plus ``load_format: dummy``; limits a config leaves unset are resolved as the Serve replica's vLLM resolves them.
 On one host the engine uses vLLM's multiprocessing executor (``--executor ray`` uses Ray's, on the Ray cluster of
 ``RAY_ADDRESS``). ``--layers N`` rehearses the first N layers of a Kimi-K3 (every layer kind kept) and its draft.
+``--rank-of STAGE`` rehearses one TP rank of that pipeline stage of the config's layout on one GPU: the stage's
+layers in their own order, at one rank's shapes (``rehearsal/rank_slice.py``), the draft on the last stage; the
+output sets the plan of the real rank beside it, with every term the slice cannot show.
 Exit code: 0 vLLM started and generated; 1 it did not (the table says where and why); 2 bad input.
 """
 
@@ -28,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kimi_k3_serve.commands.argtypes import fraction, positive_int
+from kimi_k3_serve.commands.argtypes import fraction, nonnegative_int, positive_int
 from kimi_k3_serve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -60,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"none" drops the config\'s draft')
     parser.add_argument("--engine-kwargs", default=None, help="JSON of extra vLLM engine arguments, merged over the config's")
     parser.add_argument("--layers", type=positive_int, default=None, help="rehearse a Kimi-K3 slice of this many layers")
+    parser.add_argument("--rank-of", type=nonnegative_int, default=None, metavar="STAGE",
+                        help="rehearse one TP rank of this pipeline stage (0-based) of the config's layout on one GPU")
     parser.add_argument("--executor", choices=("mp", "ray"), default="mp", help="vLLM's executor (default mp: one host)")
     parser.add_argument("--work-dir", default=None, help="where model configs, the spec and the log go (default: a temp dir)")
     parser.add_argument("--timeout", type=positive_int, default=1800.0, help="seconds before the engine is stopped (default 1800)")
@@ -171,6 +177,76 @@ def materialize_models(args: ServeArgs, work: Path, layers: int | None):
             (draft_dir / "config.json").write_text(json.dumps(draft, indent=1))
         update["speculative"] = args.speculative.model_copy(update={"model": str(draft_dir)})
     return args.model_copy(update=update), target_dir, draft_dir
+
+
+def materialize_rank_slice(real: ServeArgs, work: Path, stage: int):
+    """Write the rank slice of ``stage`` of ``real``'s layout (target, and the draft on the last stage) and return
+    (the TP1 args that rehearse it, target folder, draft folder or None, the ``RankOf``)."""
+    from kimi_k3_serve.config.args_adapter import planner_inputs
+    from kimi_k3_serve.planning.layout import Layout
+    from kimi_k3_serve.planning.memory import stage_layer_ranges
+    from kimi_k3_serve.rehearsal.rank_slice import RankOf, rank_draft_config, rank_text_config
+
+    model, _, pins = planner_inputs(with_dummy_weights(real))
+    if model.family != "kimi_k3":
+        raise ConfigError("--rank-of", stage, f"a Kimi-K3 deployment (the model is {model.architecture})")
+    if pins.ep or pins.dp > 1:
+        raise ConfigError("--rank-of", stage, "a TP x PP layout: a rank of expert or data parallelism sees other "
+                          "ranks' tokens, which one GPU cannot")
+    stages = stage_layer_ranges(model.num_layers, Layout(tp=pins.tp, pp=pins.pp, layer_partition=pins.layer_partition))
+    if stage >= len(stages):
+        raise ConfigError("--rank-of", stage, f"a stage of the layout: 0 to {len(stages) - 1}")
+    start, end = stages[stage]
+    rank = RankOf(stage, len(stages), start, end, pins.tp)
+    target = rank_text_config(_model_config(real.model.source, "args.model.source")[0], rank)
+    target_dir = work / "target"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    (target_dir / "config.json").write_text(json.dumps(target, indent=1))
+    parallel = real.parallel.model_copy(update={"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                                "data_parallel_size": 1, "enable_expert_parallel": False,
+                                                "layer_partition": None})
+    update: dict[str, Any] = {"model": real.model.model_copy(update={"source": str(target_dir)}), "parallel": parallel,
+                              "speculative": None}
+    draft_dir = None
+    if real.speculative is not None and rank.is_last:
+        draft = rank_draft_config(_model_config(real.speculative.model, "args.speculative.model")[0], rank)
+        draft_dir = work / "draft"
+        draft_dir.mkdir(parents=True, exist_ok=True)
+        (draft_dir / "config.json").write_text(json.dumps(draft, indent=1))
+        update["speculative"] = real.speculative.model_copy(update={"model": str(draft_dir)})
+    return real.model_copy(update=update), target_dir, draft_dir, rank
+
+
+def rank_section(real_report, slice_report, rank, measured_kv: int | None) -> dict[str, Any]:
+    """The real rank's plan beside its slice's: the terms the slice cannot show and the real rank's KV pool as the
+    plan gives it and as vLLM's measurement of the slice implies it."""
+    from kimi_k3_serve.rehearsal.rank_slice import rank_only_terms, real_rank_kv_bytes
+
+    real = next(r for r in real_report.ranks if r.pp_stage == rank.stage)
+    sliced = slice_report.ranks[0]
+    terms = rank_only_terms(real, sliced, outside_real=real.total_bytes - real.budget_bytes - real.headroom_bytes,
+                            outside_sliced=sliced.total_bytes - sliced.budget_bytes - sliced.headroom_bytes)
+    return {"stage": rank.stage, "num_stages": rank.num_stages, "layers": [rank.start, rank.end], "tp": rank.tp,
+            "describe": rank.describe(), "real_verdict": real_report.verdict,
+            "real_max_concurrency": real_report.max_concurrency, "real_rank": real.to_json(),
+            "terms": [t.to_json() for t in terms], "real_kv_plan_bytes": real.kv_cache_bytes,
+            "real_kv_from_vllm_bytes": None if measured_kv is None else real_rank_kv_bytes(measured_kv, terms)}
+
+
+def render_rank_section(section: dict[str, Any]) -> str:
+    from kimi_k3_serve.units import GiB
+
+    lines = [f"the real rank: {section['describe']}; the plan of the whole layout says {section['real_verdict']} "
+             f"({section['real_max_concurrency']:.2f} requests of max_model_len at once)",
+             "  what the slice cannot show (real rank minus slice, GiB):"]
+    for t in section["terms"]:
+        size = "not counted" if t["delta_bytes"] is None else f"{t['delta_bytes'] / GiB:+.2f}"
+        lines.append(f"    {t['name']:<20} {size:>12}  {'exact' if t['exact'] else 'estimate'}: {t['source']}")
+    implied = section["real_kv_from_vllm_bytes"]
+    lines.append(f"  real rank's KV pool: plan {section['real_kv_plan_bytes'] / GiB:.2f} GiB"
+                 + ("" if implied is None else f"; implied by vLLM's slice {implied / GiB:.2f} GiB (its pool less the "
+                                               "terms inside the budget)"))
+    return "\n".join(lines)
 
 
 def engine_of(args: ServeArgs, target_dir: Path, executor: str, resolved_tokens: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -387,9 +463,16 @@ def run(ns: argparse.Namespace) -> int:
     if ns.config is None and ns.model is None:
         ns.model = "moonshotai/Kimi-K3"
     args = serve_args_of(ns)
+    if ns.rank_of is not None and ns.layers is not None:
+        raise ConfigError("--layers", ns.layers, "no --layers with --rank-of: the rank slice has its stage's depth")
     work = Path(ns.work_dir or tempfile.mkdtemp(prefix="kimi-k3-rehearse-"))
     work.mkdir(parents=True, exist_ok=True)
-    args, target_dir, draft_dir = materialize_models(args, work, ns.layers)
+    real_args = rank = None
+    if ns.rank_of is not None:
+        real_args = args
+        args, target_dir, draft_dir, rank = materialize_rank_slice(real_args, work, ns.rank_of)
+    else:
+        args, target_dir, draft_dir = materialize_models(args, work, ns.layers)
     if ns.executor == "ray":
         device, labels = cluster_devices(args.parallel.world_size, args.accelerator.type)
     else:
@@ -412,10 +495,14 @@ def run(ns: argparse.Namespace) -> int:
         plan = {"verdict": "refused", "fits": False, "refusal": str(refusal)}
     kwargs, env = engine_of(args, target_dir, ns.executor, tokens)
     result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels, "plan": plan}
+    real_report = predict(real_args, device) if real_args is not None else None
     if ns.dry_run:
         if report is not None:
             plan["ranks"] = [r.to_json() for r in report.ranks]
         said = (f"plan: {report.verdict} on {len(labels)} GPU(s)" if report is not None else f"the plan refuses: {refusal}")
+        if real_report is not None and report is not None:
+            result["rank_of"] = rank_section(real_report, report, rank, None)
+            said += "\n" + render_rank_section(result["rank_of"])
         print(json.dumps(result, indent=1) if ns.json else
               f"would start vLLM with {json.dumps(kwargs)}\nenv {json.dumps(env)}\n{said}")
         return EXIT_STARTED
@@ -437,6 +524,9 @@ def run(ns: argparse.Namespace) -> int:
     result.update(started=ok, exit_code=code, seconds=round(seconds, 1), engine=engine, generated=generated,
                   failure=failure, reading=reading.to_json(), comparison=comparison_json,
                   nvml_peak_used_bytes={str(k): v for k, v in sorted(peak.peak.items())}, log=str(work / "vllm.log"))
+    if real_report is not None and report is not None:
+        worker = reading.workers[0] if len(reading.workers) == 1 else None
+        result["rank_of"] = rank_section(real_report, report, rank, worker.available_kv_bytes if worker else None)
     (work / "result.json").write_text(json.dumps(result, indent=1))
     if ns.json:
         print(json.dumps(result, indent=1))
@@ -450,6 +540,8 @@ def run(ns: argparse.Namespace) -> int:
                   f"{reading.init_seconds or 0:.0f} s ({seconds:.0f} s in all)")
         if failure:
             print(f"vLLM failed: {failure['type']}: {failure['message'][-300:]}")
+        if "rank_of" in result:
+            print(render_rank_section(result["rank_of"]))
     if not ns.json:
         print(f"vLLM log: {work / 'vllm.log'}")
     if report is None:  # --start-anyway: 0 when vLLM refuses too (the plan was right), 1 when its refusal is to be looked at

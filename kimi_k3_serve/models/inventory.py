@@ -137,8 +137,13 @@ class TensorSpec:
                     inter = expert_min_per_rank * tp
                 local_inter = cdiv(inter, moe_tp)
                 shape[dim] = cdiv(local_inter * self.inter_mult, self.inter_div)
-        elif self.sharding == REPLICATED or tp == 1 or (sp and self.replicated_under_sp):
+        elif self.sharding == REPLICATED or (sp and self.replicated_under_sp):
             pass
+        elif tp == 1:
+            if self.local_align > 1 and self.sharding in (TP_DIM0, TP_DIM1):
+                # vLLM pads the one rank's rows as well (Kimi-K3 kda.py in_proj_padding: -local_rows % 16).
+                dim = 0 if self.sharding == TP_DIM0 else 1
+                shape[dim] = round_up(shape[dim], self.local_align)
         elif self.kv_heads and self.sharding == TP_DIM0:
             shape[0] = max(1, self.kv_heads // tp) * (shape[0] // self.kv_heads)
         elif self.sharding in (TP_DIM0, TP_DIM1):
@@ -267,6 +272,9 @@ class ModelInventory:
     """Kimi-K3 pads the expert intermediate to this many rows per rank under TP without EP (0: never)."""
     tp_divisors: tuple[tuple[str, int], ...] = ()
     """Counts that TP must divide (vLLM asserts), e.g. (("num_attention_heads", 96),)."""
+    attn_res_block_size: int = 0
+    """Block Attention Residuals: a stage after the first receives one residual per block of this many layers
+    before it (0: a plain residual)."""
     tie_word_embeddings: bool = False
     """lm_head shares the embedding: one copy when the first stage is also the last, else the last stage
     builds its own (vLLM's Llama-family PP rule)."""

@@ -145,6 +145,7 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
         num_kv_heads=r.get("num_key_value_heads", heads),
         vision=tuple(vision),
         expert_min_intermediate_per_rank=_MIN_MOE_INTERMEDIATE_PER_RANK if num_experts else 0,
+        attn_res_block_size=int(r.get("attn_res_block_size") or 0),
         tp_divisors=(("num_attention_heads", heads), ("linear_attn_config.num_heads", kda.num_heads)),
         source=source or name,
     )

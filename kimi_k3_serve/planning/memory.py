@@ -386,6 +386,10 @@ def estimate_memory(
                 ws_margin += item.margin_bytes
             if item.estimate:
                 estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
+        pp_receive = pp_receive_buffer_bytes(model, s, start, mnbt)
+        if pp_receive:  # exact: shapes from vLLM's code
+            ws += pp_receive
+            estimates.append(Estimate("workspace:pp_receive", s, pp_receive, 0, PP_RECEIVE_BASIS))
         if eplb_state:  # allocated while the model loads (EplbState.add_model), so the profile sees it
             ws += eplb_state
             ws_margin += eplb_state // 10
@@ -489,6 +493,21 @@ def estimate_memory(
         num_kv_groups=len(grouping.groups), padding_layers=grouping.padding_layers,
         verdict=verdict, safe_gpu_memory_utilization=safe_util, engine_concurrency=pool.engine_concurrency,
     )
+
+
+PP_RECEIVE_BASIS = ("pipeline receive buffer: hidden state + residual at max_num_batched_tokens, kept for the CUDA "
+                    "graphs' addresses (vLLM v1/worker/gpu/model_runner.py load_model, make_empty_intermediate_tensors; "
+                    "Kimi-K3: one residual per AttnRes block before the stage); exact")
+
+
+def pp_receive_buffer_bytes(model: ModelInventory, stage: int, start: int, max_num_batched_tokens: int) -> int:
+    """What a stage after the first allocates while its model loads to receive the previous stage's tensors: the
+    hidden state and the residual, ``max_num_batched_tokens`` rows each; under Block Attention Residuals the residual
+    holds one row per block before the stage (``cdiv(start_layer, attn_res_block_size)``)."""
+    if stage == 0:
+        return 0
+    residuals = cdiv(start, model.attn_res_block_size) if model.attn_res_block_size else 1
+    return max_num_batched_tokens * model.hidden_size * (DTYPE_BITS[model.dtype] // 8) * (1 + residuals)
 
 
 def _outside_budget(model: ModelInventory, world: int, cc: tuple[int, int]) -> int:

@@ -30,6 +30,11 @@ KIMI_ENGINE = {"moe_backend": "marlin", "attention_backend": "FLASHMLA"}
 """vLLM 0.32 asserts an fp8 prefill query for Kimi-K3 with an fp8 KV cache; the fp8 jobs add it."""
 
 
+ROLES = ("fit", "validation")
+"""A job's role, fixed here before it runs: a ``fit`` run may set a constant of the memory model, a ``validation``
+run only scores it (scripts/memory_accuracy.py reports errors on validation runs alone)."""
+
+
 @dataclass(frozen=True)
 class Job:
     name: str
@@ -37,11 +42,12 @@ class Job:
     expected_s: float
     args: tuple[str, ...]
     tags: tuple[str, ...] = field(default_factory=tuple)
+    role: str = ""
 
 
 def kimi(name: str, layers: int, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = False, tokens: int = 2048,
          seqs: int = 256, util: float = 0.92, draft: str | None = DSPARK, kv: str = "auto", max_len: int = 8192,
-         expected_s: float = 150, extra=()) -> Job:
+         expected_s: float = 150, extra=(), role: str = "") -> Job:
     kimi_kwargs = ["--engine-kwargs", json.dumps({**KIMI_ENGINE, **({"attention_config": {"use_prefill_query_quantization": True}}
                                                                    if kv.startswith("fp8") else {})})]
     args = ["--model", "moonshotai/Kimi-K3", *kimi_kwargs, "--layers", str(layers), "--tp", str(tp), "--pp", str(pp),
@@ -52,7 +58,23 @@ def kimi(name: str, layers: int, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: b
         args += ["--dp", str(dp)]
     if ep:
         args += ["--enable-expert-parallel"]
-    return Job(name, tp * pp * dp, expected_s, tuple(args), ("kimi",))
+    return Job(name, tp * pp * dp, expected_s, tuple(args), ("kimi",), role)
+
+
+DEPLOY = "deploy/config.yaml"
+
+
+def rank(name: str, stage: int, *, role: str, config: str = DEPLOY, pp: int | None = None, tokens: int | None = None,
+         seqs: int | None = None, util: float | None = None, draft: str | None = None, expected_s: float = 240) -> Job:
+    """One TP rank of pipeline stage ``stage`` of a deploy config (``rehearse --rank-of``), on one GPU; the config's
+    own limits unless overridden. ``draft``: a speculative config's JSON, or "none"."""
+    assert role in ROLES
+    args = ["--config", config, "--rank-of", str(stage)]
+    for flag, value in (("--pp", pp), ("--max-num-batched-tokens", tokens), ("--max-num-seqs", seqs),
+                        ("--gpu-memory-utilization", util), ("--speculative-config", draft)):
+        if value is not None:
+            args += [flag, str(value)]
+    return Job(name, 1, expected_s, tuple(args), ("rank",), role)
 
 
 def other(name: str, config: str, *, tokens: int = 2048, seqs: int = 256, util: float = 0.92, expected_s: float = 120) -> Job:
@@ -94,6 +116,19 @@ SETS: dict[str, list[Job]] = {
         # Data-parallel attention with the experts over both GPUs (DP2 x EP2): one engine per GPU, each with the
         # whole attention, its own KV cache and KDA states, and 448 of a layer's 896 experts.
         kimi("k4-dp2-ep2-serve-defaults-dspark", 4, dp=2, ep=True, expected_s=240),
+    ],
+    # One GPU: ranks of the real deployment (deploy/config.yaml, TP8 x PP2, 49/44 layers) at full depth, and the
+    # shapes where the verdict missed. Roles are set here before the runs (2026-12-01, first round): the validation
+    # runs score the model and set nothing.
+    "ranks": [
+        rank("r44-s1-dspark", 1, role="validation"),
+        rank("r49-s0", 0, role="validation"),
+        # The FlashKDA buffers at 768 sequences, where they fit (VLLM_DEBUG_WORKSPACE logs each growth and its caller).
+        kimi("k6-tp1-b8192-s768-dspark-u080", 6, tokens=8192, seqs=768, util=0.80, expected_s=120, role="fit"),
+        rank("r44-s1-eagle3-mla", 1, role="validation", draft=EAGLE3_MLA),
+        # Where the plan said "fits" and vLLM ran out of memory allocating the KV cache (first seen 2026-12-01).
+        kimi("k6-tp1-b8192-s768-dspark-u092", 6, tokens=8192, seqs=768, util=0.92, expected_s=120, role="validation"),
+        rank("r23-s3-pp4-dspark-b16384-s64", 3, role="validation", pp=4, tokens=16384, seqs=64, util=0.90, expected_s=200),
     ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
@@ -176,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
             cmd = [sys.executable, "-m", "kimi_k3_serve.cli", "rehearse", *job.args, "--json", "--work-dir", str(job_dir),
                    "--timeout", str(int(max(30, end - time.monotonic() - 10)))]
-            (job_dir / "job.json").write_text(json.dumps({"name": job.name, "command": cmd, "gpus": gpus}))
+            (job_dir / "job.json").write_text(json.dumps({"name": job.name, "command": cmd, "gpus": gpus, "role": job.role}))
             with open(job_dir / "stdout.json", "w") as out, open(job_dir / "stderr.txt", "w") as err:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True)
             running[job.name] = (proc, gpus, time.monotonic(), job_dir)

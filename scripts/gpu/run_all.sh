@@ -11,6 +11,8 @@
 #   tests-rehearse the GPU tests that rehearse a Kimi-K3 slice on one GPU and on two (pytest -m gpu -k rehearse)
 #   matrix-tp2     rehearsals on both GPUs (TP2, and PP2 on one node)
 #   matrix-tp8     rehearsals on eight GPUs (TP8, and TP4 x PP2 on one node); skipped on a host with fewer
+#   matrix-ranks   one TP rank of each stage of deploy/config.yaml at full depth, one GPU each (rehearse --rank-of),
+#                  and the shapes where the verdict missed; each job's role (fit or validation) is in matrix.py
 #   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes, at DP2 x EP2, + the NCCL test (pytest -m gpu -k "serve or nccl")
 #                  (KIMI_K3_SERVE_GPU_TESTS="EXPR" runs the tests that pytest -k EXPR selects instead, in either tests phase)
 #   bench          serving speed, bare vLLM vs our Serve path (scripts/bench_serving.py --preset $KIMI_K3_SERVE_BENCH, default h200-llama-8b) -> $OUT/bench
@@ -29,6 +31,9 @@ mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export KIMI_K3_SERVE_MODEL_CACHE="${KIMI_K3_SERVE_MODEL_CACHE:-/var/tmp/kk3-models}"
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 NO_COLOR=1 VLLM_LOGGING_COLOR=0
+# vLLM logs each growth of its shared workspace with the caller and the size (v1/worker/workspace.py): where the
+# FlashKDA prefill buffers land relative to the profile and the KV cache, in every run's log.
+export VLLM_DEBUG_WORKSPACE=1
 runs="${KIMI_K3_SERVE_GPU_RUNS:-/var/tmp/kk3-runs}"  # outside the working tree: kept between calls while the host stays up
 mkdir -p "$runs"
 started=$(date +%s)
@@ -90,6 +95,7 @@ run_phase() {
     matrix-tp1) python3 scripts/gpu/matrix.py --set tp1 --deadline "$(left)" --work "$runs/tp1" --out "$out" "${matrix_args[@]}" ;;
     matrix-tp2) python3 scripts/gpu/matrix.py --set tp2 --deadline "$(left)" --work "$runs/tp2" --out "$out" "${matrix_args[@]}" ;;
     matrix-tp8) python3 scripts/gpu/matrix.py --set tp8 --deadline "$(left)" --work "$runs/tp8" --out "$out" "${matrix_args[@]}" ;;
+    matrix-ranks) python3 scripts/gpu/matrix.py --set ranks --deadline "$(left)" --work "$runs/ranks" --out "$out" "${matrix_args[@]}" ;;
     tests-rehearse|tests-serve)
       local k="rehearse"; [ "$1" = tests-serve ] && k="serve or nccl"
       k="${KIMI_K3_SERVE_GPU_TESTS:-$k}"  # a pytest -k expression: the tests of this call only
