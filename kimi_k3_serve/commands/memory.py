@@ -230,7 +230,14 @@ def render(report, model, gpu_label: str, device: RankDevice) -> str:
     if report.fits:
         lines.append(
             f"FITS: {report.num_blocks:,} blocks (min over ranks; binding rank {report.binding_rank}), "
-            f"{report.kv_cache_tokens:,} tokens, max concurrency {report.max_concurrency:.2f}x at {eng.max_model_len:,} tokens"
+            f"{report.kv_cache_tokens:,} tokens, max concurrency {report.max_concurrency:.2f}x at {eng.max_model_len:,} tokens "
+            f"({report.banded_max_concurrency:.2f}x with every measured error band against it)"
+        )
+    elif report.verdict == "at_risk":
+        lines.append(
+            f"AT RISK: fits at the point estimates ({report.max_concurrency:.2f}x at {eng.max_model_len:,} tokens), not with "
+            f"the measured error bands against it (up to {fmt_gib(report.kv_band_bytes)} of KV pool per GPU): "
+            f"{report.banded_max_concurrency:.2f}x"
         )
     else:
         lines.append(f"DOES NOT FIT: largest shortfall {fmt_gib(report.shortfall_bytes)} (rank {report.binding_rank})")

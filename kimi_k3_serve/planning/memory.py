@@ -35,6 +35,8 @@ from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInv
 from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.units import GiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
+from kimi_k3_serve.planning.bands import kv_band_bytes
+from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
 NON_TORCH_TP1 = int(0.45 * GiB)
 NON_TORCH_TP2 = NON_TORCH_TP1
@@ -69,9 +71,10 @@ FLASHINFER_MXFP4_WORKSPACE = int(1.6 * GiB)
 """FlashInfer TRTLLM MXFP4 MoE allocates ~1.6 GiB outside vLLM's pool on the first forward on Blackwell
 (kimi-k3-facts.md 2.5); charged to the headroom, not to the KV budget."""
 USAGE_CONTEXTS = ("ray_serve", "openai_api_server", "llm_class")
-VERDICTS = ("fits", "cannot_start", "oom_at_load", "no_kv_space", "seqs_over_state_blocks", "oom_at_warmup")
+VERDICTS = ("fits", "cannot_start", "oom_at_load", "no_kv_space", "seqs_over_state_blocks", "oom_at_warmup", "at_risk")
 """vLLM's engine start, in order: the free-memory check (``request_memory``), loading the weights, sizing the KV
-cache from the profile (budget minus non-KV must hold one request), then warmup (allocations after the KV cache)."""
+cache from the profile (budget minus non-KV must hold one request), then warmup (allocations after the KV cache).
+``at_risk``: it fits at the plan's point estimates, not with every measured error band against it."""
 KV_DTYPE_BYTES = {"auto": 0, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
 
 
@@ -177,6 +180,10 @@ class MemoryReport:
     sizing the KV cache; None when no value does."""
     engine_concurrency: tuple[float, ...] = ()
     """Requests of max_model_len each DP engine's own pool holds, by DP rank (``max_concurrency`` is the smallest)."""
+    kv_band_bytes: int = 0
+    """The most any rank's KV pool loses with every measured error band against it (``planning/bands.py``)."""
+    banded_max_concurrency: float = 0.0
+    """Requests of max_model_len the pools hold with every band against them: what the verdict proves."""
 
     def stage_ranks(self) -> list[RankMemory]:
         """The first rank of every stage (ranks of a stage on identical devices are identical)."""
@@ -204,6 +211,7 @@ class MemoryReport:
             "fits": self.fits,
             "verdict": self.verdict,
             "safe_gpu_memory_utilization": self.safe_gpu_memory_utilization,
+            "kv_band_bytes": self.kv_band_bytes, "banded_max_concurrency": self.banded_max_concurrency,
             "shortfall_bytes": self.shortfall_bytes,
             "binding_rank": self.binding_rank,
             "estimates": [
@@ -374,18 +382,25 @@ def estimate_memory(
         has_kda = _memo(model).get(("has_kda", start, end))
         if has_kda is None:
             has_kda = _memo(model)[("has_kda", start, end)] = any(isinstance(model.layers[i].kv, KdaState) for i in range(start, end))
+        flashkda = 0
         for item in optimisations.items:
             if not item.on or not item.workspace_bytes:
                 continue
             if item.name == "flashkda" and not has_kda:
                 continue
-            if item.after_kv:
+            if item.name == "flashkda":
+                flashkda = item.workspace_bytes  # shares lane 0 of vLLM's workspace: see shared_workspace below
+            elif item.after_kv:
                 after_kv += item.workspace_bytes
             else:
                 ws += item.workspace_bytes
                 ws_margin += item.margin_bytes
             if item.estimate:
                 estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
+        shared = shared_workspace(model, layout, engine, s, start, end, mnbt, seqs, flashkda, cc)
+        after_kv += shared.unseen_bytes
+        if shared.unseen_bytes:
+            estimates.append(Estimate("workspace:shared_unseen", s, shared.unseen_bytes, 0, shared.describe()))
         pp_receive = pp_receive_buffer_bytes(model, s, start, mnbt)
         if pp_receive:  # exact: shapes from vLLM's code
             ws += pp_receive
@@ -415,6 +430,12 @@ def estimate_memory(
     # Each DP rank is its own engine core that sizes its own pool (vLLM v1/engine/core.py _initialize_kv_caches).
     pool = pools_per_engine(grouping, [local[rank_stage[r]] for r in range(world)], avail,
                             ranks_per_engine=layout.tp * layout.pp, max_model_len=engine.max_model_len, dcp=layout.dcp)
+    # The same pools with every estimated term at the top of its measured band (planning/bands.py).
+    bands = [kv_band_bytes(c.weights_bytes + c.draft_bytes, c.activation_bytes + c.non_torch_bytes + c.workspace_bytes,
+                           c.cuda_graph_bytes) for c in (stage_costs[rank_stage[r]] for r in range(world))]
+    banded = pools_per_engine(grouping, [local[rank_stage[r]] for r in range(world)],
+                              [a - b for a, b in zip(avail, bands)], ranks_per_engine=layout.tp * layout.pp,
+                              max_model_len=engine.max_model_len, dcp=layout.dcp)
     state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
     state_blocks = sum(g.blocks_per_request(engine.max_model_len) for g in state_groups)
     page = grouping.groups[0].page_of(0) if grouping.groups else 0
@@ -443,6 +464,12 @@ def estimate_memory(
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
     full_graphs = bool(state_groups) and not engine.enforce_eager
     verdict = _verdict(ranks, devs, [stage_costs[s] for s in rank_stage], pool, seqs if full_graphs else 0)
+    if verdict == "fits" and (any(banded.shortfall_bytes) or banded.num_blocks < banded.blocks_per_request
+                              or (full_graphs and seqs > banded.num_blocks)):
+        verdict = "at_risk"
+        notes.append(f"at risk: it fits at the plan's point estimates, not with their measured error bands against it "
+                     f"(up to {max(bands) / GiB:.2f} GiB of KV pool per GPU: weights, profile and CUDA graphs at the top "
+                     f"of the errors their validation runs showed); vLLM may refuse or OOM")
     fits = verdict == "fits"
     if verdict == "seqs_over_state_blocks":
         notes.append(
@@ -453,8 +480,10 @@ def estimate_memory(
     warm = max(ranks, key=lambda x: x.warmup_shortfall_bytes)
     if warm.warmup_shortfall_bytes:
         notes.append(
-            f"vLLM would OOM during warmup on rank {warm.rank} by {warm.warmup_shortfall_bytes / GiB:.2f} GiB: "
-            f"{warm.after_kv_bytes / GiB:.2f} GiB is allocated after the KV cache (FlashKDA prefill buffers) and only "
+            f"vLLM would OOM allocating the KV cache or in warmup on rank {warm.rank} by "
+            f"{warm.warmup_shortfall_bytes / GiB:.2f} GiB: {warm.after_kv_bytes / GiB:.2f} GiB that vLLM's KV sizing does "
+            f"not see (its shared workspace grown past the profile's: TRITON_MLA's decode logits for a DSpark draft "
+            f"before the KV cache, FlashKDA's prefill buffers in warmup) and only "
             f"{max(warm.headroom_bytes, 0) / GiB:.2f} GiB is left outside the budget"
             + (f"; gpu_memory_utilization {safe_util} or lower leaves room" if safe_util else ""))
     # The rank that decides: the one furthest short, else the one whose pool sets the engine's block count.
@@ -492,7 +521,29 @@ def estimate_memory(
         enable_prefix_caching=prefix, stage_layers=tuple(stages), kv_grouping=grouping.kind,
         num_kv_groups=len(grouping.groups), padding_layers=grouping.padding_layers,
         verdict=verdict, safe_gpu_memory_utilization=safe_util, engine_concurrency=pool.engine_concurrency,
+        kv_band_bytes=max(bands), banded_max_concurrency=banded.max_concurrency,
     )
+
+
+def shared_workspace(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
+                     mnbt: int, seqs: int, flashkda_bytes: int, cc: tuple[int, int]) -> SharedWorkspace:
+    """Lane 0 of vLLM's shared workspace on a rank of ``stage`` (``planning/workspace.py``)."""
+    w = model.widths
+    moe = 0
+    if w.num_experts and any(model.layers[i].mlp == "moe" for i in range(start, end)):
+        inter = w.moe_intermediate_size if layout.ep else max(w.moe_intermediate_size // layout.tp,
+                                                              model.expert_min_intermediate_per_rank)
+        gathered = layout.dp if layout.ep and layout.dp > 1 else 1
+        moe = moe_buffer_bytes(mnbt * gathered, w.experts_per_token, inter, w.moe_hidden_size)
+    logits = 0
+    spec = engine.speculative
+    if spec is not None and spec.method == "dspark" and spec.draft is not None and stage == layout.pp - 1:
+        mla = next((layer.kv for layer in spec.draft.layers if isinstance(layer.kv, MlaKv)), None)
+        if mla is not None:  # DSpark's non-causal MLA has no FLASHMLA kernel: it runs on TRITON_MLA
+            heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp))
+            logits = triton_mla_logits_bytes(seqs, 1 + spec.num_speculative_tokens, heads, mla.kv_lora_rank,
+                                             engine.max_model_len, cc)
+    return SharedWorkspace(moe, logits, flashkda_bytes)
 
 
 PP_RECEIVE_BASIS = ("pipeline receive buffer: hidden state + residual at max_num_batched_tokens, kept for the CUDA "

@@ -24,10 +24,12 @@ from kimi_k3_serve.planning.layout import EngineSettings, Layout
 from kimi_k3_serve.models.inventory import KdaState, ModelInventory
 from kimi_k3_serve.units import MiB, round_up
 
-FLASHKDA_SCRATCH_FRACTION = 0.10
+FLASHKDA_SCRATCH_FRACTION = 0.158
 """FlashKDA's kernel workspace (``get_workspace_size(T, H, N)``, a C++ function) as a share of its recurrent-state
-buffers: fitted on one H200 run (4-layer Kimi-K3 slice, T=16384, N=1024, TP1: vLLM ran out of memory 2.90 GiB short
-where the buffers alone predict 1.69 GiB; tests/fixtures/gpu/2026-11-30). Margin: the same amount again."""
+buffers. Fitted on one H200 run (fit run k4-tp1-b8192-s1024-nodraft, tests/fixtures/gpu/2026-11-30: no draft, so
+FlashKDA alone grew vLLM's shared workspace, to 14.09 GiB for T=8192, N=1024, TP1, where the output and the two states
+are 12.19 GiB). The earlier fit (0.10) read the OOM of a run with DSpark, which TRITON_MLA's decode logits cause
+(planning/workspace.py). Margin: the same amount again."""
 LATENT_MOE_TAIL_BYTES = 28 * MiB
 """Symmetric Lamport buffers of the fused latent-MoE tail at TP8 (kimi-k3-facts.md 2.5; an estimate)."""
 

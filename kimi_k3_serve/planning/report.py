@@ -77,7 +77,7 @@ class CheckReport:
     notes: tuple[str, ...] = ()
     engine_verdict: str = "fits"
     """What vLLM 0.32 would do (``memory.VERDICTS``): fits, cannot_start, oom_at_load, no_kv_space,
-    seqs_over_state_blocks, oom_at_warmup."""
+    seqs_over_state_blocks, oom_at_warmup, at_risk (fits only at the point estimates)."""
     safe_gpu_memory_utilization: float | None = None
     """The largest utilization that leaves room for what vLLM allocates after sizing the KV cache."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -154,15 +154,23 @@ def build_report(
     layout = memory.layout
     fits = bool(memory.fits)
     if fits:
-        verdict = (f"fits: {layout.describe()} on {layout.world_size} x {gpu_name}, every GPU within its budget; "
-                   f"{float(memory.max_concurrency):.2f} requests of {memory.engine.max_model_len} tokens at once")
+        verdict = (f"fits: {layout.describe()} on {layout.world_size} x {gpu_name}, every GPU within its budget with every "
+                   f"measured error band against it; {float(memory.banded_max_concurrency):.2f} requests of "
+                   f"{memory.engine.max_model_len} tokens at once ({float(memory.max_concurrency):.2f} at the point "
+                   "estimates)")
+    elif memory.verdict == "at_risk":
+        verdict = (f"at risk: {layout.describe()} on {layout.world_size} x {gpu_name} fits at the plan's point estimates "
+                   f"({float(memory.max_concurrency):.2f} requests of {memory.engine.max_model_len} tokens), not with "
+                   f"the measured error bands against it (up to {fmt_gib(memory.kv_band_bytes)} of KV pool per GPU); "
+                   "lower max_model_len or raise gpu_memory_utilization, or rehearse it")
     elif memory.verdict == "oom_at_warmup":
         worst_rank = max(memory.ranks, key=lambda x: x.warmup_shortfall_bytes)
         worst = next(row for row in rows if row.rank == worst_rank.rank)
         safe = memory.safe_gpu_memory_utilization
         verdict = (f"does not fit: vLLM would OOM during warmup on rank {worst.rank} (node {worst.node}, GPU "
                    f"{worst.gpu_index}) by {fmt_gib(worst_rank.warmup_shortfall_bytes)}: {fmt_gib(worst_rank.after_kv_bytes)} "
-                   "allocated after the KV cache is sized (FlashKDA prefill buffers) does not fit outside the budget"
+                   "that vLLM's KV sizing does not see (its shared workspace past the profile's: TRITON_MLA's decode "
+                   "logits for a DSpark draft, FlashKDA's prefill buffers) does not fit outside the budget"
                    + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
     elif memory.verdict == "seqs_over_state_blocks":
         verdict = (f"does not fit: max_num_seqs {memory.max_num_seqs:,} exceeds the {memory.num_blocks:,} KV-cache blocks "

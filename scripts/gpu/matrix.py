@@ -121,13 +121,14 @@ SETS: dict[str, list[Job]] = {
     # shapes where the verdict missed. Roles are set here before the runs (2026-12-01, first round): the validation
     # runs score the model and set nothing.
     "ranks": [
-        rank("r44-s1-dspark", 1, role="validation"),
-        rank("r49-s0", 0, role="validation"),
+        rank("r44-s1-dspark", 1, role="validation", expected_s=360),
+        rank("r49-s0", 0, role="validation", expected_s=360),
         # The FlashKDA buffers at 768 sequences, where they fit (VLLM_DEBUG_WORKSPACE logs each growth and its caller).
         kimi("k6-tp1-b8192-s768-dspark-u080", 6, tokens=8192, seqs=768, util=0.80, expected_s=120, role="fit"),
-        rank("r44-s1-eagle3-mla", 1, role="validation", draft=EAGLE3_MLA),
+        rank("r44-s1-eagle3-mla", 1, role="validation", draft=EAGLE3_MLA, expected_s=330),
         # Where the plan said "fits" and vLLM ran out of memory allocating the KV cache (first seen 2026-12-01).
         kimi("k6-tp1-b8192-s768-dspark-u092", 6, tokens=8192, seqs=768, util=0.92, expected_s=120, role="validation"),
+        rank("r44-s1-dspark-u095", 1, role="validation", util=0.95, expected_s=200),
         rank("r23-s3-pp4-dspark-b16384-s64", 3, role="validation", pp=4, tokens=16384, seqs=64, util=0.90, expected_s=200),
     ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache

@@ -1,0 +1,43 @@
+"""The error bands of the plan's estimated terms, as measured on validation runs, and what they take from a KV pool.
+
+A band is the largest error in the unsafe direction (the plan below vLLM for a cost) that the validation runs of
+``scripts/gpu/matrix.py`` showed on the H200 (vLLM 0.32; docs/memory-accuracy.md lists the runs and recomputes the
+worst errors from them, and tests/test_rehearsal.py checks that each band covers them). A rank's pool with every band
+taken against it is the pool the verdict proves; where only the point estimate fits, the verdict is ``at_risk``. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kimi_k3_serve.units import GiB
+
+
+@dataclass(frozen=True)
+class Band:
+    """``max(floor_bytes, fraction x estimate)``: what one term may be short by."""
+
+    name: str
+    fraction: float
+    floor_bytes: int
+    measured: str
+    """The validation run that set it, and its error."""
+
+    def of(self, estimate_bytes: int) -> int:
+        return max(self.floor_bytes, int(self.fraction * estimate_bytes)) if estimate_bytes else 0
+
+
+WEIGHTS = Band("weights", 0.004, 0,
+               "r44-s1-eagle3-mla (2026-12-01): 95.77 GiB planned, 96.15 GiB loaded (-0.39 %); the TP8 rank slices "
+               "ran 0.26-0.39 % under, the full-width slices under 0.1 %")
+PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
+               "k6-tp1-b8192-s768-dspark-u092 (2026-12-01): 6.23 GiB planned, 6.67 GiB profiled (-0.44 GiB, -6.5 %)")
+CUDA_GRAPHS = Band("cuda_graph_estimate", 0.55, int(0.30 * GiB),
+                   "r44-s1-eagle3-mla (2026-12-01): 0.34 GiB planned, 0.62 GiB estimated by vLLM (-0.28 GiB); r49-s0: "
+                   "0.12 / 0.25 GiB (-53 %)")
+BANDS = (WEIGHTS, PROFILE, CUDA_GRAPHS)
+
+
+def kv_band_bytes(weights_bytes: int, profile_bytes: int, cuda_graph_bytes: int) -> int:
+    """What a rank's KV pool loses with every band against it: each cost at the top of its band."""
+    return WEIGHTS.of(weights_bytes) + PROFILE.of(profile_bytes) + CUDA_GRAPHS.of(cuda_graph_bytes)
