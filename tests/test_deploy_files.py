@@ -102,6 +102,22 @@ def test_deploy_config_passes_serve_and_args_schemas(config):
     assert DeploymentConfig.from_default(**ingress_deployment_config(app.args)).num_replicas == app.args.ingress.num_replicas
 
 
+ALL_SERVE_CONFIGS = sorted((REPO / "deploy").glob("*.yaml"))
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@pytest.mark.parametrize("config", ALL_SERVE_CONFIGS, ids=_ids(ALL_SERVE_CONFIGS))
+def test_serve_configs_are_closed_by_default(config):
+    """Every GPU config requires the API key (the ingress refuses to start without one); only the dev configs are
+    open, and they listen on loopback alone."""
+    app = load_serve_app(config)
+    if config.name.startswith("dev"):
+        assert app.http_host in LOOPBACK_HOSTS, f"{config.name} is open (no key) and listens on {app.http_host}"
+    else:
+        assert app.args.accelerator.kind == "gpu"
+        assert app.args.security.require_api_key is True, f"{config.name} serves /v1 without a key when none is found"
+
+
 @pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))
 def test_engine_kwargs_are_vllm_032_arguments(config):
     from vllm.engine.arg_utils import AsyncEngineArgs
