@@ -731,6 +731,7 @@ def _network_policy(cluster_name: str) -> list[str]:
         "        - namespaceSelector:",
         f"            matchLabels: {{kubernetes.io/metadata.name: {INGRESS_NAMESPACE}}}  # EDIT: your ingress controller's",
         "      ports: [{port: 8000, protocol: TCP}]",
+        "    # Nothing else: add a rule of your own for a Prometheus that scrapes Ray's metrics port (8080).",
     ]
 
 
