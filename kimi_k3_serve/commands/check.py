@@ -130,12 +130,19 @@ def _live_snapshot(address: str, args: ServeArgs):
         raise ConfigError("--address", address, f"a reachable Ray cluster ({exc})") from None
     try:
         warnings = []
-        gcs_address = ray.get_runtime_context().gcs_address
+        gcs_address = _gcs_address(ray)
         if gcs_address and accepts_unauthenticated(gcs_address):
             warnings.append(OPEN_CLUSTER_WARNING.format(address=address))
         return cluster_snapshot(with_host_memory=args.accelerator.kind == "cpu"), warnings
     finally:
         ray.shutdown()
+
+
+def _gcs_address(ray: Any) -> str | None:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # a Ray Client (ray://) connection may not know it: then there is nothing to probe
+        return None
 
 
 def _alternatives(serve_args: ServeArgs, inventory: Any, started: float) -> tuple[Any | None, str]:
