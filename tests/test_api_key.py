@@ -91,7 +91,10 @@ def test_required_key_with_none_configured_stops_the_ingress(tmp_path):
     with pytest.raises(ConfigError) as info:
         ingress_api_key(None, True, environ={})
     assert info.value.field == "args.security.require_api_key"
-    assert "no API key found by the ingress replica" in str(info.value)
+    message = str(info.value)
+    assert "no API key found by the ingress replica" in message and "\n" not in message
+    assert all(place in message for place in ("args.security.api_key_file", "$KIMI_K3_SERVE_API_KEY_FILE",
+                                               "$KIMI_K3_SERVE_API_KEY (")), message
     assert ingress_api_key(None, False, environ={}) == (None, "none")  # not required: the routes stay open
     assert ingress_api_key(None, True, environ={API_KEY_ENV: KEY}) == (KEY, f"${API_KEY_ENV}")
 

@@ -88,8 +88,8 @@ def ingress_api_key(api_key_file: str | None, require_api_key: bool,
         raise ConfigError(
             "args.security.require_api_key",
             True,
-            f"no API key found by the ingress replica: set args.security.api_key_file, ${API_KEY_FILE_ENV} or "
-            f"${API_KEY_ENV} in the environment of the Ray nodes",
+            f"no API key found by the ingress replica; expected one in the file named by args.security.api_key_file, "
+            f"in the file named by ${API_KEY_FILE_ENV}, or in ${API_KEY_ENV} (the environment of the Ray nodes)",
         )
     return key, where
 
