@@ -70,6 +70,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Ray's loopback mode, set before anything imports Ray: on Linux Ray turns 127.0.0.1 into the machine's outward
+# address, so this script's Ray head (GCS, raylets, workers) would listen where other machines reach it.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+RAY_HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SIDES = ("vllm", "serve")
 RAY_LOGICAL_CPUS = 8  # placement groups reserve logical CPUs: a TP2 replica and its ingress need more than 2
@@ -265,13 +269,17 @@ def write_api_key(out: Path) -> Path:
 
 def side_args(raw_args: dict[str, Any], side: str, api_key_file: Path | None = None) -> dict[str, Any]:
     """The builder's ``args`` for a Serve side: the deploy config's, with ``serve@MS``'s batching interval and
-    ``+key``'s API key file."""
+    ``+key``'s API key file. A side without ``+key`` serves without one even where the config requires it (the
+    bench configs do): it is the baseline the key's cost is measured against, and Serve listens on 127.0.0.1 here."""
     spec = parse_side(side)
     if spec.api_key and api_key_file is None:
         raise ValueError(f"side {side}: needs the API key file")
-    if spec.batching_interval_ms is None and not spec.api_key:
+    requires_key = bool((raw_args.get("security") or {}).get("require_api_key"))
+    if spec.batching_interval_ms is None and not spec.api_key and not requires_key:
         return raw_args
     changed = dict(raw_args)
+    if not spec.api_key and requires_key:
+        changed["security"] = dict(raw_args["security"], require_api_key=False)
     if spec.batching_interval_ms is not None:
         changed["deployment"] = dict(raw_args.get("deployment") or {},
                                      stream_batching_interval_ms=spec.batching_interval_ms)
@@ -304,10 +312,7 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
         cluster = stage_per_node_cluster(stages, int(engine.engine_kwargs.get("tensor_parallel_size", 1)), temp_dir)
         ray.init(address=cluster.address, log_to_driver=False)
     else:
-        # Several heads share the host: each would size its object store at 30 % of the RAM (in /dev/shm); tokens
-        # travel as small messages, so a small store each keeps them from crowding one another out.
-        ray.init(address="local", num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _temp_dir=temp_dir,
-                 log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES)
+        start_ray_head(temp_dir)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         from kimi_k3_serve.app import build_app, llm_config_of
@@ -334,6 +339,16 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
             if cluster is not None:
                 cluster.shutdown()
     return 0
+
+
+def start_ray_head(temp_dir: str) -> None:
+    """A Serve side's own Ray head on 127.0.0.1 only (loopback mode above), no dashboard. Several heads share the
+    host: each would size its object store at 30 % of the RAM (in /dev/shm); tokens travel as small messages, so a
+    small store each keeps them from crowding one another out."""
+    import ray
+
+    ray.init(address="local", num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _temp_dir=temp_dir,
+             _node_ip_address=RAY_HOST, log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES)
 
 
 def stage_per_node_cluster(stages: int, gpus_per_stage: int, temp_dir: str):

@@ -29,6 +29,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+# Ray's loopback mode, set before anything imports Ray: on Linux Ray turns 127.0.0.1 into the machine's outward
+# address, so this script's Ray head (GCS, raylets, workers) would listen where other machines reach it.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+RAY_HOST = "127.0.0.1"
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = [
@@ -172,6 +177,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_ray_head(temp_dir: str) -> None:
+    """This process's own Ray head on 127.0.0.1 only (loopback mode above), no dashboard; Ray 2.60 turns token
+    authentication on for a head that ``ray.init`` starts."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=temp_dir, _node_ip_address=RAY_HOST, log_to_driver=False)
+
+
 class LocalDeployment:
     """deploy/dev.yaml on a Ray head of its own (own temp dir, loopback port), removed on exit."""
 
@@ -196,7 +209,7 @@ class LocalDeployment:
         from kimi_k3_serve.config.serve_config import load_serve_app
 
         raw_args = load_serve_app(self.config).raw_args
-        ray.init(num_cpus=8, include_dashboard=False, _temp_dir=self.temp_dir, log_to_driver=False)
+        start_ray_head(self.temp_dir)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": self.port}, proxy_location="HeadOnly")
             start = time.perf_counter()

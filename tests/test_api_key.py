@@ -91,7 +91,10 @@ def test_required_key_with_none_configured_stops_the_ingress(tmp_path):
     with pytest.raises(ConfigError) as info:
         ingress_api_key(None, True, environ={})
     assert info.value.field == "args.security.require_api_key"
-    assert "no API key found by the ingress replica" in str(info.value)
+    message = str(info.value)
+    assert "no API key found by the ingress replica" in message and "\n" not in message
+    assert all(place in message for place in ("args.security.api_key_file", "$KIMI_K3_SERVE_API_KEY_FILE",
+                                               "$KIMI_K3_SERVE_API_KEY (")), message
     assert ingress_api_key(None, False, environ={}) == (None, "none")  # not required: the routes stay open
     assert ingress_api_key(None, True, environ={API_KEY_ENV: KEY}) == (KEY, f"${API_KEY_ENV}")
 
@@ -127,6 +130,14 @@ def guarded_client():
     def health():
         return {}
 
+    @app.get("/v1/models/{model:path}")  # as Ray Serve LLM's ingress: it also answers /v1/models/<id>/health
+    def model_card(model: str):
+        return {"id": model}
+
+    @app.post("/tokenize")
+    def tokenize():
+        return {"tokens": []}
+
     app.add_middleware(ApiKeyMiddleware, key_digest=_digest(KEY))
     return TestClient(app)
 
@@ -155,6 +166,23 @@ def test_right_key_passes_and_health_stays_open(guarded_client):
     assert guarded_client.options("/v1/models").status_code != 401  # CORS preflight carries no credentials
 
 
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/models/m/health", "/v1/models/m", "/v1/health", "/health/", "//health", "/x/health", "/tokenize", "/docs",
+     "/openapi.json", "/-/healthz/x", "/-/routes/"],
+)
+def test_every_path_but_the_listed_open_ones_needs_the_key(guarded_client, path):
+    """No suffix or prefix match: /v1/models/<id>/health is a model route and gets a 401 like the rest."""
+    response = guarded_client.post(path, json={}) if path == "/tokenize" else guarded_client.get(path)
+    _is_openai_401(response)
+
+
+def test_the_open_paths_are_an_exact_list():
+    from kimi_k3_serve.serving.ingress import OPEN_PATHS
+
+    assert OPEN_PATHS == {"/health", "/-/healthz", "/-/routes"}
+
+
 def test_wrong_key_is_not_echoed(guarded_client):
     response = guarded_client.get("/v1/models", headers={"Authorization": "Bearer sk-guess-123456"})
     assert "sk-guess-123456" not in response.text
@@ -181,7 +209,8 @@ def keyed_url(deploy_app, key_file) -> str:
 @pytest.mark.ray
 def test_served_app_requires_the_key_on_v1_and_keeps_health_open(keyed_url):
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).encode()
-    for path, payload in (("/v1/models", None), ("/v1/chat/completions", body), ("/v1/completions", body)):
+    for path, payload in (("/v1/models", None), (f"/v1/models/{MODEL}/health", None), ("/v1/chat/completions", body),
+                          ("/v1/completions", body)):
         status, answer = http_json(f"{keyed_url}{path}", payload)
         assert status == 401, (path, status, answer)
         assert answer["error"]["code"] == "invalid_api_key"

@@ -244,3 +244,81 @@ def test_serve_file_missing_and_app_name(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_serve_app(write(tmp_path, GOOD_FILE), app_name="other")
     assert info.value.field == "config.applications[].name" and "llm" in str(info.value)
+
+
+# --- secrets are refused by name and never echoed ---------------------------------------------------------------
+
+SECRET = "hf_s3cr3t-Value-9c2e7d"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ("api_key", "args.api_key"),
+        ("engine_kwargs.hf_token", "args.engine_kwargs.hf_token"),
+        ("engine_kwargs.hf_overrides.auth_token", "args.engine_kwargs.hf_overrides.auth_token"),
+        ("runtime_env.env_vars.HF_TOKEN", "args.runtime_env.env_vars.HF_TOKEN"),
+        ("runtime_env.env_vars.AWS_SECRET_ACCESS_KEY", "args.runtime_env.env_vars.AWS_SECRET_ACCESS_KEY"),
+        ("runtime_env.env_vars.S3_CLIENT_SECRET", "args.runtime_env.env_vars.S3_CLIENT_SECRET"),
+        ("model.password", "args.model.password"),
+        ("limits.db_password", "args.limits.db_password"),
+    ],
+)
+def test_a_secret_in_any_field_is_refused_by_name_without_its_value(change, field):
+    with pytest.raises(ConfigError) as info:
+        load_args(with_change(GPU, change, SECRET))
+    assert info.value.field == field
+    assert SECRET not in str(info.value) and "<redacted>" in str(info.value)
+    assert "input_value" not in str(info.value)
+
+
+def test_secret_names_spare_the_fields_that_hold_none():
+    args = load_args(with_change(GPU, "security.require_api_key", True))
+    assert args.security.require_api_key is True
+    ok = with_change(GPU, "runtime_env.env_vars.KIMI_K3_SERVE_API_KEY_FILE", "/run/secrets/kk3")
+    assert load_args(ok).runtime_env.env_vars["KIMI_K3_SERVE_API_KEY_FILE"] == "/run/secrets/kk3"
+
+
+def test_an_unknown_field_never_echoes_its_value():
+    """pydantic's own message carries ``input_value=...``; ours names the field and what is allowed only."""
+    with pytest.raises(ConfigError) as info:
+        load_args({**MINIMAL, "credentials": SECRET})
+    assert info.value.field == "args.credentials" and "unknown field" in str(info.value)
+    assert SECRET not in str(info.value) and "input_value" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        # Serve's own runtime_env (Ray's schema reads this file, not the snapshot).
+        (GOOD_FILE + f"  runtime_env: {{env_vars: {{HF_TOKEN: {SECRET}}}}}\n", "config.applications[0].runtime_env.env_vars.HF_TOKEN"),
+        (GOOD_FILE.replace("limits: {max_model_len: 2048}", f"limits: {{max_model_len: 2048}}\n    api_key: {SECRET}"),
+         "config.applications[0].args.api_key"),
+        (f"http_options: {{ssl_keyfile_password: {SECRET}}}\n" + GOOD_FILE, "config.http_options.ssl_keyfile_password"),
+        (f"unknown_top: {SECRET}\n" + GOOD_FILE, "config.unknown_top"),
+    ],
+    ids=["serve-runtime-env", "args-api-key", "http-options", "unknown-top-level"],
+)
+def test_a_secret_in_a_serve_file_is_refused_and_never_echoed(tmp_path, text, field):
+    with pytest.raises(ConfigError) as info:
+        load_serve_app(write(tmp_path, text))
+    assert info.value.field == field
+    assert SECRET not in str(info.value) and "input_value" not in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["check", "render"])
+def test_cli_refuses_a_secret_with_one_line_and_prints_or_writes_nothing_of_it(tmp_path, command, capsys):
+    from kimi_k3_serve.cli import main
+
+    text = (REPO_ROOT / "deploy" / "config.yaml").read_text().replace(
+        "NCCL_DEBUG: WARN", f"NCCL_DEBUG: WARN\n          HF_TOKEN: {SECRET}")
+    config = tmp_path / "with-token.yaml"
+    config.write_text(text)
+    out = tmp_path / "cluster.yaml"
+    argv = {"check": ["check", "--config", str(config), "--cluster", str(REPO_ROOT / "cluster_configs/aws-h200-p5en.yaml")],
+            "render": ["render", "--config", str(config), "--format", "kuberay", "--output", str(out)]}[command]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("error: ") and "args.runtime_env.env_vars.HF_TOKEN: got <redacted>;" in captured.err
+    assert SECRET not in captured.err and not out.exists()

@@ -257,7 +257,7 @@ def _write_cluster(case: Case, tmp_path: Path) -> Path:
         return path
     if case.cluster is None:
         return GOOD_CLUSTERS[case.cluster_format]
-    doc = yaml.safe_load(GOOD_CLUSTERS[case.cluster_format].read_text())
+    doc = next(yaml.safe_load_all(GOOD_CLUSTERS[case.cluster_format].read_text()))  # KubeRay: the RayService
     case.cluster(doc)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path

@@ -109,6 +109,12 @@ def test_the_key_side_runs_the_builder_with_the_key_it_sends(bench_serving, tmp_
     assert both.deployment.stream_batching_interval_ms == 0 and both.security.require_api_key
     with pytest.raises(ValueError):
         bench_serving.side_args(raw, "serve+key")  # no key file, no keyed side
+    # The bench configs require a key (closed by default); the plain side is the open baseline on 127.0.0.1.
+    bench = load_serve_app(REPO_ROOT / "deploy" / "bench-h200-llama-8b.yaml")
+    assert bench.args.security.require_api_key and bench.http_host == "127.0.0.1"
+    assert not load_args(bench_serving.side_args(bench.raw_args, "serve"), source="test").security.require_api_key
+    keyed_bench = load_args(bench_serving.side_args(bench.raw_args, "serve+key", key_file), source="test")
+    assert keyed_bench.security.require_api_key and keyed_bench.security.api_key_file == str(key_file)
 
 
 def test_bare_vllm_gets_the_engine_serve_gets(bench_serving):
@@ -357,3 +363,37 @@ def test_a_pipeline_serve_side_gets_one_raylet_per_stage():
     assert out["gpus"] == [1.0, 1.0]
     # Each raylet's ids are its CUDA_VISIBLE_DEVICES: stage 1's task sees GPU 1 of the host, not GPU 0 again.
     assert out["visible"] == ["0", "1"]
+
+
+HEAD_PROBE = """
+import sys
+sys.path[:0] = [{tests!r}, {scripts!r}]
+import {script}  # sets Ray's loopback mode before anything imports Ray
+{script}.start_ray_head({temp_dir!r})
+import ray
+from conftest import assert_ray_stays_on_this_machine  # after Ray: its own loopback setting comes too late here
+assert_ray_stays_on_this_machine()
+print("GCS", ray.get_runtime_context().gcs_address)
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("script", ["soak", "bench_serving"])
+def test_the_scripts_ray_heads_listen_on_loopback_only(script):
+    """The soak's and the serving benchmark's own Ray heads, started as the scripts start them in a process that
+    has not set Ray's loopback mode itself: the GCS, raylet, workers and this driver listen on 127.0.0.1 only."""
+    import shutil
+    import tempfile
+
+    temp_dir = tempfile.mkdtemp(prefix="kk3-")  # short: Ray's socket paths must fit 107 bytes
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    code = HEAD_PROBE.format(tests=str(REPO_ROOT / "tests"), scripts=str(REPO_ROOT / "scripts"), script=script,
+                             temp_dir=temp_dir)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                              cwd=REPO_ROOT)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GCS 127.0.0.1:" in done.stdout, done.stdout

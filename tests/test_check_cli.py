@@ -24,11 +24,11 @@ RTX3090_1X8 = FIXTURES / "check" / "rtx3090-1x8.yaml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_cli(*argv: str) -> tuple[int, str, str, float]:
+def run_cli(*argv: str, env: dict | None = None) -> tuple[int, str, str, float]:
     """The command in a fresh interpreter, as CI runs it: (exit code, stdout, stderr, seconds)."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "capacity_check.py"), *argv], capture_output=True,
-                          text=True, cwd=REPO, timeout=300)
+                          text=True, cwd=REPO, timeout=300, env=env)
     return done.returncode, done.stdout, done.stderr, time.perf_counter() - started
 
 
@@ -149,3 +149,70 @@ def test_plan_eight_rtx3090_says_no_by_how_much_and_what_would(capsys):
 def test_plan_min_refuses_nodes(capsys):
     assert main(["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--min", "--max-model-len", "32768"]) == 2
     assert "--min" in capsys.readouterr().err
+
+
+# --- a live cluster: does it need a token? ------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["disabled", "token"])
+def live_head(request):
+    """``ray start --head --block`` of this test's own on 127.0.0.1, with Ray's token authentication off or on (a
+    token file of its own); yields (auth mode, address, the environment a client of it needs)."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+
+    from conftest import LOOPBACK, free_port
+
+    temp_dir = tempfile.mkdtemp(prefix="kk3-auth-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_AUTH_MODE"] = request.param
+    if request.param == "token":
+        token = Path(temp_dir) / "auth_token"
+        token.write_text(os.urandom(32).hex())
+        token.chmod(0o600)
+        env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    port = free_port()
+    log_path = Path(temp_dir) / "ray-head.log"
+    log = open(log_path, "w")
+    head = subprocess.Popen(
+        [sys.executable, "-c", "from ray.scripts.scripts import main; main()", "start", "--head", "--block", "--port",
+         str(port), "--node-ip-address", LOOPBACK, "--num-cpus", "1", "--temp-dir", temp_dir, "--include-dashboard",
+         "false", "--disable-usage-stats"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        started = time.monotonic()
+        while "Ray runtime started" not in log_path.read_text(errors="replace"):
+            assert head.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() - started < 300, "the Ray head did not start in 300 s"
+            time.sleep(1)
+        yield request.param, f"{LOOPBACK}:{port}", env
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its own processes on SIGTERM
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.ray
+def test_live_check_warns_when_the_cluster_needs_no_token(live_head):
+    """Against a head without token authentication, ``check --address`` says so (stderr, and ``warnings`` in the
+    JSON); against one with it, nothing. Kimi-K3 on a CPU-only head does not fit (exit 1): the warning does not
+    depend on the verdict."""
+    mode, address, env = live_head
+    code, out, err, seconds = run_cli("--config", str(CONFIG), "--address", address, "--json", env=env)
+    print(f"\n[live check of a head with RAY_AUTH_MODE={mode}: exit {code} in {seconds:.2f} s]")
+    assert code == 1, err[-3000:]
+    document = json.loads(out)
+    assert document["cluster"].startswith("live:") and document["fits"] is False
+    warnings = document["warnings"]
+    if mode == "disabled":
+        assert len(warnings) == 1 and "runs without authentication" in warnings[0] and address in warnings[0]
+        assert "RAY_AUTH_MODE=token" in warnings[0] and warnings[0] in err
+    else:
+        assert warnings == [] and "without authentication" not in err
+    assert (env.get("RAY_AUTH_TOKEN_PATH") is None) or Path(env["RAY_AUTH_TOKEN_PATH"]).read_text() not in out + err

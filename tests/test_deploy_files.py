@@ -102,6 +102,22 @@ def test_deploy_config_passes_serve_and_args_schemas(config):
     assert DeploymentConfig.from_default(**ingress_deployment_config(app.args)).num_replicas == app.args.ingress.num_replicas
 
 
+ALL_SERVE_CONFIGS = sorted((REPO / "deploy").glob("*.yaml"))
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@pytest.mark.parametrize("config", ALL_SERVE_CONFIGS, ids=_ids(ALL_SERVE_CONFIGS))
+def test_serve_configs_are_closed_by_default(config):
+    """Every GPU config requires the API key (the ingress refuses to start without one); only the dev configs are
+    open, and they listen on loopback alone."""
+    app = load_serve_app(config)
+    if config.name.startswith("dev"):
+        assert app.http_host in LOOPBACK_HOSTS, f"{config.name} is open (no key) and listens on {app.http_host}"
+    else:
+        assert app.args.accelerator.kind == "gpu"
+        assert app.args.security.require_api_key is True, f"{config.name} serves /v1 without a key when none is found"
+
+
 @pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))
 def test_engine_kwargs_are_vllm_032_arguments(config):
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -214,7 +230,7 @@ def _expected_worker(cluster_file: Path) -> tuple[int, int, dict[str, float]]:
 
     words = _render_command(cluster_file)
     args = load_serve_app(REPO / _option(words, "--config")).args
-    document = yaml.safe_load(cluster_file.read_text())
+    document = next(yaml.safe_load_all(cluster_file.read_text()))  # a KubeRay file's RayService; its NetworkPolicy follows
     if "available_node_types" in document:
         gpus_per_node = next(t["resources"]["GPU"] for t in document["available_node_types"].values() if "GPU" in t["resources"])
     else:
@@ -257,8 +273,9 @@ def test_fake_cluster_file_is_valid_for_ray():
     }
 
 
-# KubeRay ray.io/v1 fields (KubeRay >= 1.4): RayServiceSpec, RayClusterSpec, HeadGroupSpec, WorkerGroupSpec,
-# AutoscalerOptions from ray-operator/apis/ray/v1/{rayservice,raycluster}_types.go. ``None`` = any value.
+# KubeRay ray.io/v1 fields (KubeRay >= 1.5.1): RayServiceSpec, RayClusterSpec, HeadGroupSpec, WorkerGroupSpec,
+# AutoscalerOptions from ray-operator/apis/ray/v1/{rayservice,raycluster}_types.go; AuthOptions (``mode`` only in
+# 1.5.1; ``secretName`` and ``enableK8sTokenAuth`` came in 1.6). ``None`` = any value.
 # The pod template is corev1.PodTemplateSpec; only the fields these files use are listed.
 _CONTAINER = {"name": str, "image": str, "resources": {"limits": None, "requests": None, "claims": [{"name": str}]},
               "ports": [{"containerPort": int, "name": str}], "volumeMounts": [{"name": str, "mountPath": str}],
@@ -278,6 +295,7 @@ _KUBERAY_RAYSERVICE = {
         "upgradeStrategy": {"type": ("NewCluster", "NewClusterWithIncrementalUpgrade", "None"), "clusterUpgradeOptions": None},
         "rayClusterConfig": {
             "rayVersion": str,
+            "authOptions": {"mode": ("disabled", "token")},
             "enableInTreeAutoscaling": bool,
             "suspend": bool,
             "gcsFaultToleranceOptions": None,
@@ -298,6 +316,18 @@ _KUBERAY_RAYSERVICE = {
             }],
         },
     },
+}
+# networking.k8s.io/v1 NetworkPolicy (k8s.io/api/networking/v1/types.go): NetworkPolicySpec, NetworkPolicyIngressRule,
+# NetworkPolicyPeer, NetworkPolicyPort; LabelSelector's two fields.
+_LABEL_SELECTOR = {"matchLabels": _STRING_MAP, "matchExpressions": None}
+_PEER = {"podSelector": _LABEL_SELECTOR, "namespaceSelector": _LABEL_SELECTOR, "ipBlock": None}
+_PORT = {"port": None, "endPort": int, "protocol": ("TCP", "UDP", "SCTP")}
+_NETWORK_POLICY = {
+    "apiVersion": ("networking.k8s.io/v1",),
+    "kind": ("NetworkPolicy",),
+    "metadata": {"name": str, "namespace": str, "labels": None, "annotations": None},
+    "spec": {"podSelector": _LABEL_SELECTOR, "policyTypes": [("Ingress", "Egress")],
+             "ingress": [{"from": [_PEER], "ports": [_PORT]}], "egress": [{"to": [_PEER], "ports": [_PORT]}]},
 }
 _REQUIRED = {"spec.rayClusterConfig.headGroupSpec": ("template",),
              "spec.rayClusterConfig.workerGroupSpecs[]": ("groupName", "minReplicas", "maxReplicas", "template")}
@@ -349,9 +379,10 @@ def test_kuberay_field_check_catches_typos():
 def test_kuberay_file_uses_only_crd_fields_and_autoscales_from_zero(cluster_file):
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
-    document = yaml.safe_load(cluster_file.read_text())
+    document, policy = yaml.safe_load_all(cluster_file.read_text())
     problems: list[str] = []
     _check_fields(document, _KUBERAY_RAYSERVICE, "", problems)
+    _check_fields(policy, _NETWORK_POLICY, "(NetworkPolicy)", problems)
     assert not problems, "\n".join(problems)
     assert (document["apiVersion"], document["kind"]) == ("ray.io/v1", "RayService")
 
@@ -371,3 +402,40 @@ def test_kuberay_file_uses_only_crd_fields_and_autoscales_from_zero(cluster_file
             f"{resource} not declared: a pending placement group could never scale this group up"
         )
     assert autoscaling["available_node_types"][autoscaling["head_node_type"]]["resources"]["CPU"] == 0
+
+
+# --- Ray's control plane, closed in every shipped cluster file -----------------------------------------------------
+
+
+def test_network_policy_field_check_catches_typos():
+    problems: list[str] = []
+    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+              "spec": {"podSelector": {"matchLabel": {}}, "ingress": [{"from": [{"podSelect": {}}]}]}}
+    _check_fields(policy, _NETWORK_POLICY, "", problems)
+    assert any("matchLabel: not a field" in p for p in problems) and any("podSelect: not a field" in p for p in problems)
+
+
+@pytest.mark.parametrize("cluster_file", CLUSTER_FILES, ids=_ids(CLUSTER_FILES))
+def test_no_shipped_cluster_file_exposes_rays_control_plane(cluster_file):
+    """Launcher files: token auth on every node, the dashboard (and its Jobs API) on the head's loopback; KubeRay
+    files: token auth and a NetworkPolicy over every pod; the fake-provider file runs on this machine only."""
+    text = cluster_file.read_text()
+    documents = list(yaml.safe_load_all(text))
+    fmt = _option(_render_command(cluster_file), "--format")
+    if fmt.startswith("launcher-"):
+        (document,) = documents
+        starts = [c for c in document["head_start_ray_commands"] + document["worker_start_ray_commands"] if "ray start" in c]
+        assert len(starts) == 2 and all("RAY_AUTH_MODE=token ray start" in c for c in starts), starts
+        assert "--dashboard-host=127.0.0.1" in starts[0] and "0.0.0.0" not in text
+        assert document["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    elif fmt == "kuberay":
+        service, policy = documents
+        cluster = service["spec"]["rayClusterConfig"]
+        assert cluster["authOptions"] == {"mode": "token"}
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+        assert selector and all(selector.items() <= t["metadata"]["labels"].items() for t in templates)
+        assert all(rule.get("from") for rule in policy["spec"]["ingress"])
+        assert "RAY_AUTH_TOKEN" not in text
+    else:
+        assert fmt == "fake" and "--node-ip-address=127.0.0.1" in text

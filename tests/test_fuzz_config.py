@@ -28,7 +28,7 @@ GOOD_ARGS = [
     for name in ("config.yaml", "dev.yaml", "dev-pp.yaml")
 ]
 GOOD_CLUSTERS = [
-    yaml.safe_load(path.read_text())
+    next(yaml.safe_load_all(path.read_text()))  # KubeRay files: the RayService (the NetworkPolicy follows)
     for path in (
         REPO_ROOT / "tests" / "fixtures" / "check" / "h200-2x8.yaml",
         REPO_ROOT / "cluster_configs" / "aws-h200-p5en.yaml",

@@ -140,9 +140,9 @@ def two_nodes():
         yield cluster
 
 
-def _get(url: str, timeout: float = 5) -> int:
+def _get(url: str, timeout: float = 5, headers: dict | None = None) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as response:
             return response.status
     except Exception:
         return 0
@@ -173,7 +173,21 @@ def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check)
     the replica's logs, and the readings, are kept under ``out``."""
     import openai
 
+    import secrets
+
+    import yaml
+
     out.mkdir(parents=True, exist_ok=True)
+    # The rehearsal config requires an API key (closed by default): served with a key file of its own, which the
+    # client sends.
+    key_file = out / "api-key"
+    key_file.write_text(secrets.token_urlsafe(24))
+    key_file.chmod(0o600)
+    api_key = key_file.read_text()
+    served = yaml.safe_load(config.read_text())
+    served["applications"][0]["args"].setdefault("security", {})["api_key_file"] = str(key_file)
+    config_as_written, config = config, out / f"served-{config.name}"
+    config.write_text(yaml.safe_dump(served, sort_keys=False))
     env = {**os.environ, "RAY_ADDRESS": address, "KIMI_K3_SERVE_MODEL_CACHE": str(MODEL_CACHE)}
     log = open(out / "serve-run.log", "w")
     started = time.monotonic()
@@ -181,14 +195,16 @@ def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check)
     serve = subprocess.Popen([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)],
                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
     base = "http://127.0.0.1:8000"
-    readings: dict = {"config": str(config.relative_to(REPO_ROOT) if config.is_relative_to(REPO_ROOT) else config.name)}
+    readings: dict = {"config": str(config_as_written.relative_to(REPO_ROOT) if config_as_written.is_relative_to(REPO_ROOT)
+                                    else config_as_written.name)}
     try:
-        while _get(f"{base}/v1/models") != 200:
+        while _get(f"{base}/v1/models", headers={"Authorization": f"Bearer {api_key}"}) != 200:
             assert serve.poll() is None, f"serve run exited with {serve.returncode}: {(out / 'serve-run.log').read_text()[-3000:]}"
             assert time.monotonic() - started < 900, "the application did not answer /v1/models in 900 s"
             time.sleep(5)
         readings["ready_seconds"] = round(time.monotonic() - started, 1)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        assert _get(f"{base}/v1/models") == 0, "the rehearsal app answered /v1/models without the key"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key)
         models = client.models.list()
         assert [m.id for m in models.data] == ["kimi-k3-slice"]
         completion = client.completions.create(model="kimi-k3-slice", prompt="Hello", max_tokens=8)

@@ -53,6 +53,13 @@ def _request(fmt: str, shape: ReplicaShape | None = None, scaling=ReplicaScaling
     return ClusterFileRequest(**fields)
 
 
+def _ray_service(text: str) -> dict:
+    """A rendered KubeRay file's RayService (its first document; the NetworkPolicy follows)."""
+    documents = list(yaml.safe_load_all(text))
+    assert [d["kind"] for d in documents] == ["RayService", "NetworkPolicy"]
+    return documents[0]
+
+
 def _worker_type(document: dict) -> dict:
     types = document["available_node_types"]
     workers = [v for k, v in types.items() if k not in ("head", "ray.head.default")]
@@ -130,7 +137,7 @@ def test_idle_timeout_reaches_both_launcher_keys():
 
 
 def test_kuberay_embeds_the_deploy_config_verbatim_and_declares_the_custom_resource():
-    document = yaml.safe_load(render(_request("kuberay")))
+    document = _ray_service(render(_request("kuberay")))
     assert document["kind"] == "RayService"
     assert document["spec"]["serveConfigV2"] == SERVE_TEXT
     cluster = document["spec"]["rayClusterConfig"]
@@ -148,7 +155,7 @@ def test_kuberay_embeds_the_deploy_config_verbatim_and_declares_the_custom_resou
 ])
 def test_kuberay_pods_run_the_image_deploy_dockerfile_builds(gpu, world, per_node, cpus, image, lock):
     text = render(_request("kuberay", _shape(gpu=gpu, world=world, per_node=per_node, cpus=cpus)))
-    cluster = yaml.safe_load(text)["spec"]["rayClusterConfig"]
+    cluster = _ray_service(text)["spec"]["rayClusterConfig"]
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     worker = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert head["image"] == worker["image"] == image
@@ -177,10 +184,10 @@ def test_launcher_setup_installs_the_lock_then_the_package_without_dependencies(
 
 def test_kuberay_joins_trays_of_one_nvlink_domain_only_where_the_domain_spans_nodes():
     tray = _shape(gpu="GB300", world=8, per_node=4, cpus=128)
-    spec = yaml.safe_load(render(_request("kuberay", tray)))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    spec = _ray_service(render(_request("kuberay", tray)))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     assert spec["resourceClaims"][0]["name"] == "nvlink-domain"
     assert spec["containers"][0]["resources"]["claims"] == [{"name": "nvlink-domain"}]
-    hgx = yaml.safe_load(render(_request("kuberay")))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    hgx = _ray_service(render(_request("kuberay")))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     assert "resourceClaims" not in hgx
 
 
@@ -295,3 +302,39 @@ def test_render_core_imports_no_ray_vllm_or_torch():
             "print(sorted(m for m in ('ray', 'vllm', 'torch', 'yaml') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
+
+
+# --- Ray's control plane, closed ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["launcher-aws", "launcher-gcp"])
+def test_launcher_cluster_runs_with_token_auth_and_a_loopback_dashboard(fmt):
+    document = yaml.safe_load(render(_request(fmt)))
+    (head_start,) = [c for c in document["head_start_ray_commands"] if "ray start" in c]
+    (worker_start,) = [c for c in document["worker_start_ray_commands"] if "ray start" in c]
+    assert "RAY_AUTH_MODE=token ray start --head" in head_start and "RAY_AUTH_MODE=token ray start" in worker_start
+    assert "--dashboard-host=127.0.0.1" in head_start and "0.0.0.0" not in render(_request(fmt))
+    # Every node gets the operator's token file; the file names its path only.
+    assert document["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert "export RAY_AUTH_MODE=token" in " ".join(document["setup_commands"])  # ray exec / serve deploy clients
+
+
+def test_kuberay_cluster_runs_with_token_auth_and_a_network_policy():
+    text = render(_request("kuberay"))
+    service, policy = yaml.safe_load_all(text)
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert "RAY_AUTH_TOKEN" not in text  # KubeRay sets it in every pod from the Secret it makes
+    labels = [cluster["headGroupSpec"]["template"]["metadata"]["labels"],
+              *(group["template"]["metadata"]["labels"] for group in cluster["workerGroupSpecs"])]
+    spec = policy["spec"]
+    assert all(spec["podSelector"]["matchLabels"].items() <= pod.items() for pod in labels), "the policy misses pods"
+    assert spec["policyTypes"] == ["Ingress"]
+    own, operator, clients = spec["ingress"]
+    # Every rule names who it admits (a rule without `from`, or with an empty selector, admits every pod).
+    for rule in spec["ingress"]:
+        assert rule["from"] and all(peer and all(peer.values()) for peer in rule["from"]), rule
+    assert own == {"from": [{"podSelector": spec["podSelector"]}]}
+    assert operator["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+    assert operator["ports"] == [{"port": 8265, "protocol": "TCP"}]  # the dashboard, nothing else of Ray
+    assert clients["ports"] == [{"port": 8000, "protocol": "TCP"}]

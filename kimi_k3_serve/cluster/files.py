@@ -32,7 +32,7 @@ def load_cluster_file(path: str) -> ClusterInventory:
 
     try:
         with open(path, encoding="utf-8") as handle:
-            document = yaml.safe_load(handle)
+            documents = [d for d in yaml.safe_load_all(handle) if d is not None]
     except OSError as exc:
         raise ConfigError("cluster", path, f"a readable cluster file ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
@@ -42,7 +42,20 @@ def load_cluster_file(path: str) -> ClusterInventory:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError("cluster", path, f"valid YAML or JSON (not{where}: {problem})") from None
-    return parse_cluster_document(document, source=path)
+    return parse_cluster_document(ray_document(documents, source=path), source=path)
+
+
+def ray_document(documents: list[Any], *, source: str) -> Any:
+    """The one Ray document of a file: the file's only one, or its RayCluster / RayService among several (a
+    rendered KubeRay file also holds the NetworkPolicy that closes the cluster)."""
+    if len(documents) <= 1:
+        return documents[0] if documents else None
+    ray = [d for d in documents if isinstance(d, dict) and d.get("kind") in ("RayCluster", "RayService")]
+    if len(ray) != 1:
+        kinds = [d.get("kind") if isinstance(d, dict) else type(d).__name__ for d in documents]
+        raise ConfigError("(documents)", kinds, "one RayCluster or RayService among the file's YAML documents",
+                          source=source)
+    return ray[0]
 
 
 def parse_cluster_document(document: Any, source: str = "<cluster>") -> ClusterInventory:

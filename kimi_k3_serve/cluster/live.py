@@ -98,6 +98,27 @@ def live_inventory(address: str | None = None, *, timeout_s: float = 120.0) -> C
             ray.shutdown()
 
 
+AUTH_PROBE_TIMEOUT_S = 5.0
+
+
+def accepts_unauthenticated(gcs_address: str, *, timeout_s: float = AUTH_PROBE_TIMEOUT_S) -> bool | None:
+    """Whether the GCS at ``host:port`` answers a request that carries no token: True (Ray's control plane is open
+    to anyone who reaches it), False (it refused it: token authentication), None (no answer either way).
+
+    A plain gRPC channel, without Ray's own client interceptor that would add this process's token; the request
+    (``GetClusterId``) reads nothing but the cluster's id."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(gcs_address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return False if exc.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    return True
+
+
 def _node_info(node: dict, reading: dict | None, available: dict | None, is_head: bool, notes: list) -> NodeInfo:
     from kimi_k3_serve.cluster.nvml import parse_readings
 

@@ -30,8 +30,18 @@ PLATFORM_OF_FORMAT = {"launcher-aws": "aws", "launcher-gcp": "gcp", "kuberay": "
 
 RAY_VERSION = "2.60.0"
 VLLM_VERSION = "0.32.0"
-KUBERAY_MIN_VERSION = "1.4.0"
-"""Group-level ``resources`` and ``autoscalerOptions.version`` are in the RayCluster CRD from KubeRay 1.4."""
+KUBERAY_MIN_VERSION = "1.5.1"
+"""Group-level ``resources`` and ``autoscalerOptions.version`` are in the RayCluster CRD from KubeRay 1.4,
+``authOptions: {mode: token}`` (Ray's token authentication, the token in a Secret KubeRay makes) from 1.5.1."""
+
+RAY_TOKEN_PATH = "~/.ray/auth_token"
+"""Where Ray 2.60 looks for its token by default (``ray get-auth-token --generate`` writes it there). Launcher files
+copy the operator's own file to every node: the rendered file names the path, never the token."""
+DASHBOARD_PORT = 8265
+CLUSTER_LABEL = "kimi-k3-serve/ray-cluster"
+"""Pod label of a KubeRay file's head and workers, which its NetworkPolicy selects."""
+OPERATOR_NAMESPACE = "kuberay-system"
+INGRESS_NAMESPACE = "ingress-nginx"
 
 _CLUSTER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?")
 
@@ -432,17 +442,26 @@ def _launcher_common(request: ClusterFileRequest, provider: list[str], auth: lis
         "file_mounts:",
         '  # Run `ray up` from the repository root: the project (and its deploy configs) is copied to every node.',
         '  "~/kimi-k3-serve": "."',
+        "  # Ray's token authentication: the token file you made (`ray get-auth-token --generate` writes it here; keep",
+        "  # it out of the repository), copied to every node. ray up fails while it is missing: nothing starts open.",
+        f'  "{RAY_TOKEN_PATH}": "{RAY_TOKEN_PATH}"',
         "setup_commands:",
         *_setup_commands("  ", request.shape.gpu),
+        f"  - chmod 600 {RAY_TOKEN_PATH}",
+        "  # Every command the launcher runs (ray exec, serve deploy) is a client of the token-authenticated cluster.",
+        "  - grep -qs RAY_AUTH_MODE ~/.bashrc || echo 'export RAY_AUTH_MODE=token' >> ~/.bashrc",
         "head_start_ray_commands:",
         "  - ray stop",
-        "  - ulimit -n 65536; ray start --head --port=6379 --num-gpus=0 --autoscaling-config=~/ray_bootstrap_config.yaml "
-        "--dashboard-host=0.0.0.0",
+        "  # Token authentication on (RAY_AUTH_MODE=token, the token from ~/.ray/auth_token); the dashboard and its Jobs",
+        "  # API listen on the head's loopback only: reach them through `ray dashboard <this file>` (an SSH tunnel).",
+        "  - ulimit -n 65536; RAY_AUTH_MODE=token ray start --head --port=6379 --num-gpus=0 "
+        "--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1",
         "worker_start_ray_commands:",
         "  - ray stop",
-        "  - ulimit -n 65536; ray start --address=$RAY_HEAD_IP:6379",
+        "  - ulimit -n 65536; RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:6379",
         "# Then: ray up <this file>; ray exec <this file> 'cd ~/kimi-k3-serve && "
         f"kimi-k3-serve check --config {request.deploy_config} && serve deploy {request.deploy_config}'",
+        f"# Dashboard: ray dashboard <this file>, then http://127.0.0.1:{DASHBOARD_PORT} (it asks for the token).",
     ]
     return lines
 
@@ -528,8 +547,9 @@ def _render_fake(request: ClusterFileRequest) -> str:
         request,
         f"Local autoscaling cluster (Ray's fake multi-node provider) with the node type of {request.deploy_config}.",
         "Fake GPUs, the same custom resources and node counts as the production files. Start the head with "
-        "RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=<this file as JSON>; set provider.gcs_address "
-        "when the GCS is not on port 6379.",
+        "RAY_FAKE_CLUSTER=1 ray start --head --node-ip-address=127.0.0.1 --autoscaling-config=<this file as JSON> "
+        "in Ray's loopback mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), so that it is reachable from this machine "
+        "only; set provider.gcs_address when the GCS is not on port 6379.",
     )
     lines += [
         f"cluster_name: {_scalar(request.cluster_name)}",
@@ -581,7 +601,8 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
     lines = _header(
         request,
         f"KubeRay RayService for {request.deploy_config} (apiVersion ray.io/v1, KubeRay >= {KUBERAY_MIN_VERSION}).",
-        "serveConfigV2 below is the deploy config, verbatim. Apply with `kubectl apply -f <this file>`.",
+        "serveConfigV2 below is the deploy config, verbatim; the NetworkPolicy after it closes Ray's control plane. "
+        "Apply both with `kubectl apply -f <this file>`.",
     )
     min_workers, max_workers = scaling.min_workers(shape), scaling.max_workers(shape)
     image = gpu_image(shape.gpu)
@@ -599,6 +620,9 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         *("    " + line if line.strip() else "" for line in request.serve_config_text.rstrip("\n").split("\n")),
         "  rayClusterConfig:",
         f"    rayVersion: {_scalar(RAY_VERSION)}",
+        "    # Ray's token authentication (RAY_AUTH_MODE=token in every pod): KubeRay makes the token and keeps it in a",
+        "    # Secret named after the RayCluster (key auth_token); nothing secret is in this file (README, \"Security\").",
+        "    authOptions: {mode: token}",
         "    enableInTreeAutoscaling: true",
         "    autoscalerOptions:",
         "      version: v2",
@@ -606,9 +630,12 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         f"      idleTimeoutSeconds: {request.idle_timeout_s}",
         "    headGroupSpec:",
         "      # No GPU and no Ray CPUs: replicas and placement groups go to the GPU workers; the Serve controller",
-        "      # and proxy (zero-CPU actors) stay here.",
+        "      # and proxy (zero-CPU actors) stay here. The dashboard listens on the pod's address because the KubeRay",
+        "      # operator deploys serveConfigV2 through it (with the token); the NetworkPolicy below admits only the",
+        "      # operator and this cluster's pods; people reach it with kubectl port-forward.",
         '      rayStartParams: {num-cpus: "0", dashboard-host: 0.0.0.0}',
         "      template:",
+        f"        metadata: {{labels: {{{CLUSTER_LABEL}: {_scalar(request.cluster_name)}}}}}",
         "        spec:",
         "          containers:",
         "            - name: ray-head",
@@ -635,6 +662,7 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         f"        resources: {_flow(declared)}" if declared else "        resources: {}",
         "        rayStartParams: {}",
         "        template:",
+        f"          metadata: {{labels: {{{CLUSTER_LABEL}: {_scalar(request.cluster_name)}}}}}",
         "          spec:",
         "            containers:",
         "              - name: ray-worker",
@@ -664,7 +692,47 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
             "            resourceClaims:",
             f"              - {{name: nvlink-domain, resourceClaimTemplateName: {request.cluster_name}-compute-domain-channel}}",
         ]
+    lines += _network_policy(request.cluster_name)
     return "\n".join(lines) + "\n"
+
+
+def _network_policy(cluster_name: str) -> list[str]:
+    """A second document: who may reach the pods of the cluster at all. Ray's own ports (GCS, raylets, object
+    transfer, the dashboard and its Jobs API) only from the cluster's pods and the KubeRay operator; Serve's port
+    from the ingress controller. ``kubectl port-forward`` goes through the kubelet and is not subject to it."""
+    selector = f"{{{CLUSTER_LABEL}: {_scalar(cluster_name)}}}"
+    return [
+        "---",
+        "# Ray's control plane, closed: only this cluster's own pods and the KubeRay operator reach the Ray ports. The",
+        f"# dashboard: kubectl port-forward svc/{cluster_name}-head-svc {DASHBOARD_PORT}:{DASHBOARD_PORT}, the token from",
+        "# the RayCluster's Secret (README, \"Security\"). Needs a CNI that enforces NetworkPolicy.",
+        "apiVersion: networking.k8s.io/v1",
+        "kind: NetworkPolicy",
+        "metadata:",
+        f"  name: {_scalar(cluster_name + '-ray')}",
+        "spec:",
+        "  podSelector:",
+        f"    matchLabels: {selector}",
+        "  policyTypes: [Ingress]",
+        "  ingress:",
+        "    # The cluster's own pods: GCS, raylets, object transfer, NCCL, calls between Serve replicas.",
+        "    - from:",
+        "        - podSelector:",
+        f"            matchLabels: {selector}",
+        "    # The KubeRay operator deploys serveConfigV2 and reads Serve's status through the head's dashboard.",
+        "    - from:",
+        "        - namespaceSelector:",
+        f"            matchLabels: {{kubernetes.io/metadata.name: {OPERATOR_NAMESPACE}}}  # EDIT: the operator's namespace",
+        "          podSelector:",
+        "            matchLabels: {app.kubernetes.io/name: kuberay-operator}",
+        f"      ports: [{{port: {DASHBOARD_PORT}, protocol: TCP}}]",
+        "    # OpenAI clients, through the ingress controller or load balancer that terminates TLS (the API key guards /v1).",
+        "    - from:",
+        "        - namespaceSelector:",
+        f"            matchLabels: {{kubernetes.io/metadata.name: {INGRESS_NAMESPACE}}}  # EDIT: your ingress controller's",
+        "      ports: [{port: 8000, protocol: TCP}]",
+        "    # Nothing else: add a rule of your own for a Prometheus that scrapes Ray's metrics port (8080).",
+    ]
 
 
 def _nvlink_spans_nodes(shape: ReplicaShape) -> bool:

@@ -109,20 +109,40 @@ def _reachable(address: str) -> None:
         raise ConfigError("--address", address, f"a reachable Ray cluster (connecting failed: {exc})") from None
 
 
+OPEN_CLUSTER_WARNING = (
+    "warning: the Ray cluster at {address} runs without authentication: its GCS answered a request that carried no "
+    "token, so anyone who reaches it (or its dashboard's Jobs API) can run code on every node. Start it with "
+    "RAY_AUTH_MODE=token (KubeRay: authOptions: {{mode: token}}); README, \"Security\""
+)
+
+
 def _live_snapshot(address: str, args: ServeArgs):
+    """The live cluster's snapshot, and the warnings about the cluster itself (one when it needs no token)."""
     _reachable(address)
     import ray
 
     from kimi_k3_serve.checks.preflight import cluster_snapshot
+    from kimi_k3_serve.cluster.live import accepts_unauthenticated
 
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError("--address", address, f"a reachable Ray cluster ({exc})") from None
     try:
-        return cluster_snapshot(with_host_memory=args.accelerator.kind == "cpu")
+        warnings = []
+        gcs_address = _gcs_address(ray)
+        if gcs_address and accepts_unauthenticated(gcs_address):
+            warnings.append(OPEN_CLUSTER_WARNING.format(address=address))
+        return cluster_snapshot(with_host_memory=args.accelerator.kind == "cpu"), warnings
     finally:
         ray.shutdown()
+
+
+def _gcs_address(ray: Any) -> str | None:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # a Ray Client (ray://) connection may not know it: then there is nothing to probe
+        return None
 
 
 def _alternatives(serve_args: ServeArgs, inventory: Any, started: float) -> tuple[Any | None, str]:
@@ -161,10 +181,11 @@ def run(args: argparse.Namespace) -> int:
     serve_args = app.args
     accepted = (f"serve config: {args.config} is valid for Ray Serve's ServeDeploySchema"
                 + (" (checked against its snapshot, without importing Ray)" if app.serve_schema == "snapshot" else ""))
+    warnings: list[str] = []
     if args.cluster:
         snapshot = declared_snapshot(load_cluster_file(args.cluster))
     else:
-        snapshot = _live_snapshot(args.address, serve_args)
+        snapshot, warnings = _live_snapshot(args.address, serve_args)
     bundles, strategy = serve_llm_bundles(serve_args)
     try:
         # With DP, Ray Serve LLM's DPServer gang-schedules one such replica per DP rank (kimi_k3_serve.serving.dp_serve).
@@ -178,12 +199,15 @@ def run(args: argparse.Namespace) -> int:
             other, alternative = _alternatives(serve_args, snapshot.inventory, started)
             report = report or other
         return _emit(args, fits=False, lines=[accepted, f"does not fit: {message}"] + ([alternative] if alternative else []),
-                     report=report, started=started, source=snapshot.inventory.source)
+                     report=report, started=started, source=snapshot.inventory.source, warnings=warnings)
     return _emit(args, fits=True, lines=[accepted, *result.lines], report=result.report, started=started,
-                 source=snapshot.inventory.source)
+                 source=snapshot.inventory.source, warnings=warnings)
 
 
-def _emit(args: argparse.Namespace, *, fits: bool, lines: list[str], report: Any, started: float, source: str) -> int:
+def _emit(args: argparse.Namespace, *, fits: bool, lines: list[str], report: Any, started: float, source: str,
+          warnings: list[str] = ()) -> int:
+    for warning in warnings:  # on stderr too, so that --json and a CI log both show it
+        print(warning, file=sys.stderr)
     from kimi_k3_serve.planning.report import format_table, plot
 
     seconds = time.perf_counter() - started
@@ -198,7 +222,7 @@ def _emit(args: argparse.Namespace, *, fits: bool, lines: list[str], report: Any
         else:
             plotted = plot(report, args.plot)
     if args.json:
-        document = {"fits": fits, "config": args.config, "cluster": source, "checks": lines,
+        document = {"fits": fits, "config": args.config, "cluster": source, "checks": lines, "warnings": list(warnings),
                     "seconds": round(seconds, 4), "report": report.to_json() if report is not None else None,
                     "plot": plotted}
         json.dump(document, sys.stdout, indent=2)

@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kimi_k3_serve.config.secrets import NotShown, is_secret_name, refuse_secrets
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
 from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, SPECULATIVE_METHODS
@@ -221,14 +222,13 @@ class RuntimeEnvArgs(Section):
     @classmethod
     def _no_secrets(cls, value: dict[str, str]) -> dict[str, str]:
         for name in value:
-            if name in SECRET_ENV_VARS:
-                raise ConfigError(f"args.runtime_env.env_vars.{name}", REDACTED, LITERAL_KEY_REFUSED)
+            if is_secret_name(name):
+                raise ConfigError(f"args.runtime_env.env_vars.{name}", NotShown(), LITERAL_KEY_REFUSED)
         return value
 
 
-# A key written into the Serve config would be stored in Serve's checkpoints and shown by `serve status`.
-REDACTED = "<redacted>"
-SECRET_ENV_VARS = frozenset({"KIMI_K3_SERVE_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY"})
+# A key written into the Serve config would be stored in Serve's checkpoints and shown by `serve status`
+# (kimi_k3_serve.config.secrets refuses every secret-named field before validation; these are the schema's own).
 LITERAL_KEY_REFUSED = (
     "an API key is never accepted in the config in plain text: put it in a file readable on the Ray nodes and set "
     "args.security.api_key_file, or set $KIMI_K3_SERVE_API_KEY (or $KIMI_K3_SERVE_API_KEY_FILE) in their environment"
@@ -260,7 +260,7 @@ class SecurityArgs(Section):
                 # Whatever was written under an unknown key here may be a secret: it is never echoed.
                 looks_secret = any(word in str(key).lower() for word in ("key", "token", "secret", "password"))
                 reason = LITERAL_KEY_REFUSED if looks_secret else "unknown field"
-                raise ConfigError(f"args.security.{key}", REDACTED, f"{reason}; allowed here: {allowed}")
+                raise ConfigError(f"args.security.{key}", NotShown(), f"{reason}; allowed here: {allowed}")
         return data
 
 
@@ -285,8 +285,8 @@ class ServeArgs(Section):
     @classmethod
     def _reject_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
         for key in value:
-            if key == "api_key":
-                raise ConfigError("args.engine_kwargs.api_key", REDACTED, LITERAL_KEY_REFUSED)
+            if is_secret_name(key):
+                raise ConfigError(f"args.engine_kwargs.{key}", NotShown(), LITERAL_KEY_REFUSED)
             if key in OWNED_ENGINE_KWARGS:
                 raise ConfigError(
                     f"args.engine_kwargs.{key}", value[key], f"set by this schema: use {OWNED_ENGINE_KWARGS[key]}"
@@ -366,6 +366,7 @@ def load_args(mapping: Any, *, source: str | None = None) -> ServeArgs:
         return mapping
     if not isinstance(mapping, Mapping):
         raise ConfigError(ARGS_ROOT, mapping, "expected a mapping with at least `model` and `limits`", source=source)
+    refuse_secrets(mapping, ARGS_ROOT, source=source)  # before pydantic, whose errors quote their input
     try:
         return ServeArgs.model_validate(dict(mapping))
     except ValidationError as exc:
@@ -390,7 +391,8 @@ def config_error_from(
             names = _field_names_at(model, first["loc"][:-1])
             if names:
                 allowed += f"; allowed here: {', '.join(names)}"
-        return ConfigError(path, first["input"], allowed + more, source=source)
+        # An unknown field's value is never shown: a key put in the wrong place (args.apikey) is still a key.
+        return ConfigError(path, NotShown(), allowed + more, source=source)
     if kind == "missing":
         return ConfigError(path, MISSING, "required field is missing" + more, source=source)
     message = first["msg"]

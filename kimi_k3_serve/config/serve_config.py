@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from kimi_k3_serve.config.args import ServeArgs, config_error_from, dotted, load_args
+from kimi_k3_serve.config.secrets import NotShown, refuse_secrets
 from kimi_k3_serve.errors import ConfigError
 
 APP_IMPORT_PATH = "kimi_k3_serve.app:build_app"
@@ -64,6 +65,7 @@ def _read_and_validate(path: str | Path) -> tuple[dict[str, Any], str]:
         raise ConfigError("config", source, f"is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError("config", type(data).__name__, "expected a mapping with `applications`", source=source)
+    refuse_secrets(data, "config", source=source)  # before Ray's schema, whose errors quote their input
 
     from kimi_k3_serve.config.serve_schema import accepts_without_ray
 
@@ -94,7 +96,7 @@ def _reject_unknown_keys(data: dict[str, Any], source: str) -> None:
         for key in section:
             if key not in schema.model_fields:
                 raise ConfigError(
-                    f"{where}.{key}", section[key], f"unknown field; allowed here: {', '.join(schema.model_fields)}",
+                    f"{where}.{key}", NotShown(), f"unknown field; allowed here: {', '.join(schema.model_fields)}",
                     source=source,
                 )
 

@@ -23,7 +23,9 @@ def raylets_per_gpu_group(gpu_groups: Sequence[Sequence[str]], *, num_cpus: int 
     os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)  # Ray records the address there whatever temp_dir is
 
     def node(gpus: Sequence[str]) -> dict[str, Any]:
-        args: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": len(gpus),
+        # Every raylet on 127.0.0.1: this is one machine, and nothing else should reach it (with Ray's loopback
+        # mode, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, set before Ray is imported; the bench script sets it).
+        args: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": len(gpus), "node_ip_address": "127.0.0.1",
                                 "env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "RAY_USAGE_STATS_ENABLED": "0"}}
         if object_store_memory is not None:
             args["object_store_memory"] = object_store_memory

@@ -11,7 +11,8 @@ The API key (OpenAI's ``Authorization: Bearer <key>``) is read inside the ingres
 ``$KIMI_K3_SERVE_API_KEY`` -- never from the Serve config itself, so it is not stored in Serve's checkpoints or
 shown by ``serve status``. Ray Serve LLM has no authentication of its own, so an ASGI middleware is put in
 front of its FastAPI app when the replica wraps it. Serve's own health routes (``/-/healthz``, ``/-/routes``)
-are answered by the proxy and never reach it; ``/health`` stays open as well.
+are answered by the proxy and never reach it; ``/health`` stays open as well. These are the only open paths, matched
+exactly: ``/v1/models/{model:path}`` answers ``/v1/models/<id>/health`` too, so a suffix match opened a model route.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
 API_KEY_ENV = "KIMI_K3_SERVE_API_KEY"
 API_KEY_FILE_ENV = "KIMI_K3_SERVE_API_KEY_FILE"
 OPEN_PATHS = frozenset({"/health", "/-/healthz", "/-/routes"})
+"""Every path the ingress answers without the key, matched exactly (no prefix, no suffix, no trailing slash)."""
 
 
 def _openai_error(exc: HTTPException) -> OpenAIHTTPException:
@@ -86,8 +88,8 @@ def ingress_api_key(api_key_file: str | None, require_api_key: bool,
         raise ConfigError(
             "args.security.require_api_key",
             True,
-            f"no API key found by the ingress replica: set args.security.api_key_file, ${API_KEY_FILE_ENV} or "
-            f"${API_KEY_ENV} in the environment of the Ray nodes",
+            f"no API key found by the ingress replica; expected one in the file named by args.security.api_key_file, "
+            f"in the file named by ${API_KEY_FILE_ENV}, or in ${API_KEY_ENV} (the environment of the Ray nodes)",
         )
     return key, where
 
@@ -152,7 +154,7 @@ class ApiKeyMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
-        return path in OPEN_PATHS or path.endswith("/health")
+        return path in OPEN_PATHS
 
 
 class OpenAiErrorsIngress(OpenAiIngress):
