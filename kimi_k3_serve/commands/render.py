@@ -104,7 +104,8 @@ def plan_verdict(plan: Any) -> tuple[str, ...]:
         f"Planner (vLLM 0.32 memory accounting): {plan.layout.describe()} on {plan.layout.world_size} x {plan.gpu_name} "
         f"fits at gpu_memory_utilization {engine.gpu_memory_utilization}.",
         f"  KV cache {report.kv_cache_tokens} tokens ({report.num_blocks} blocks): {float(report.max_concurrency):.2f} "
-        f"requests of max_model_len {engine.max_model_len} at once (max_num_seqs {report.max_num_seqs}).",
+        f"requests of max_model_len {engine.max_model_len} at once, {float(report.banded_max_concurrency):.2f} with the "
+        f"measured error bands against it (max_num_seqs {report.max_num_seqs}).",
         *((f"  Per DP engine; {plan.layout.dp} DP engines (one Serve replica each, gang-scheduled) hold "
            f"{sum(report.engine_concurrency):.2f} in all.",) if plan.layout.dp > 1 else ()),
         f"  Tightest GPU: rank {tightest.rank} (stage {tightest.pp_stage}), headroom {fmt_gib(tightest.headroom_bytes)}.",
