@@ -143,3 +143,14 @@ def test_gauge_is_exported_with_the_model_id(planned):
         assert value == pytest.approx(error, rel=1e-6) and error == pytest.approx(planned.num_blocks / blocks - 1)
     finally:
         ray.shutdown()
+
+
+def test_the_replica_warns_outside_the_measured_band(planned):
+    """The plan states its KV margin as its measured error band over the binding pool (planning/bands.py): a vLLM
+    pool inside the band logs at INFO, one outside it warns."""
+    ratio = planned.kv_cache_margin_ratio
+    assert ratio is not None and 0 < ratio < 1 and margin_of(planned) == ratio
+    inside = int(planned.kv_cache_tokens / (1 + ratio * 0.5))
+    outside = int(planned.kv_cache_tokens / (1 + ratio * 1.5))
+    assert compare_kv_cache(planned.num_blocks, planned.kv_cache_tokens, 1, inside, margin_of(planned)).within_margin
+    assert not compare_kv_cache(planned.num_blocks, planned.kv_cache_tokens, 1, outside, margin_of(planned)).within_margin

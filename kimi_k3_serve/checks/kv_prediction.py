@@ -13,8 +13,8 @@ definition on both sides), else of the blocks: positive when the plan promised m
 first, because for hybrid models (Kimi-K3's KDA + MLA groups) vLLM's ``num_gpu_blocks`` counts its pool's
 blocks per KV-cache group while the plan counts whole block sets: on the H200 Kimi-K3 slice run the plan's
 3,460 and vLLM's 9,743 blocks were the same capacity (233.00x vs 231.98x concurrency). It is within the plan's
-margin when ``|error| <= margin`` (the report's ``kv_cache_margin_ratio`` when it states one, else
-``DEFAULT_MARGIN``).
+margin when ``|error| <= margin`` (the report's ``kv_cache_margin_ratio`` when it states one: the measured error band
+of the binding pool, ``planning/bands.py``; else ``DEFAULT_MARGIN``).
 ``report_kv_cache_prediction`` is the glue the replica runs after the engine starts: it logs the line
 (a warning beyond the margin) and sets the Ray gauge ``kimi_k3_serve_kv_cache_prediction_error_ratio``
 (tag ``model_id``); it never raises.

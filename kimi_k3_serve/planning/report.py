@@ -80,6 +80,9 @@ class CheckReport:
     seqs_over_state_blocks, oom_at_warmup, at_risk (fits only at the point estimates)."""
     safe_gpu_memory_utilization: float | None = None
     """The largest utilization that leaves room for what vLLM allocates after sizing the KV cache."""
+    kv_cache_margin_ratio: float | None = None
+    """The measured error band of the binding pool, as a share of it: the replica warns when vLLM's KV cache is
+    further from the plan's than this (``checks/kv_prediction.py``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else the caller wants in the JSON (engine kwargs, env vars, closest candidates, resources)."""
 
@@ -93,6 +96,7 @@ class CheckReport:
             "verdict": self.verdict,
             "engine_verdict": self.engine_verdict,
             "safe_gpu_memory_utilization": self.safe_gpu_memory_utilization,
+            "kv_cache_margin_ratio": self.kv_cache_margin_ratio,
             "model": self.model,
             "cluster": self.cluster,
             "gpu": self.gpu,
@@ -114,6 +118,12 @@ class CheckReport:
             "notes": list(self.notes),
             **self.extra,
         }
+
+
+def _band_ratio(memory: Any) -> float | None:
+    """The KV band (``planning/bands.py``) over the smallest pool it applies to."""
+    pool = min((r.kv_cache_bytes for r in memory.ranks), default=0)
+    return memory.kv_band_bytes / pool if pool > 0 and memory.kv_band_bytes else None
 
 
 def build_report(
@@ -203,6 +213,7 @@ def build_report(
         notes=tuple(notes) + tuple(memory.notes),
         engine_verdict=memory.verdict,
         safe_gpu_memory_utilization=memory.safe_gpu_memory_utilization,
+        kv_cache_margin_ratio=_band_ratio(memory),
         extra=dict(extra or {}),
     )
 

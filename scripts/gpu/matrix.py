@@ -65,11 +65,17 @@ DEPLOY = "deploy/config.yaml"
 
 
 def rank(name: str, stage: int, *, role: str, config: str = DEPLOY, pp: int | None = None, tokens: int | None = None,
-         seqs: int | None = None, util: float | None = None, draft: str | None = None, expected_s: float = 240) -> Job:
+         seqs: int | None = None, util: float | None = None, draft: str | None = None, kv: str | None = None,
+         extra: tuple[str, ...] = (), expected_s: float = 240) -> Job:
     """One TP rank of pipeline stage ``stage`` of a deploy config (``rehearse --rank-of``), on one GPU; the config's
-    own limits unless overridden. ``draft``: a speculative config's JSON, or "none"."""
+    own limits unless overridden. ``draft``: a speculative config's JSON, or "none"; ``kv`` fp8 adds the fp8
+    prefill query vLLM 0.32 requires for Kimi-K3."""
     assert role in ROLES
-    args = ["--config", config, "--rank-of", str(stage)]
+    args = ["--config", config, "--rank-of", str(stage), *extra]
+    if kv is not None:
+        args += ["--kv-cache-dtype", kv]
+        if kv.startswith("fp8"):
+            args += ["--engine-kwargs", json.dumps({"attention_config": {"use_prefill_query_quantization": True}})]
     for flag, value in (("--pp", pp), ("--max-num-batched-tokens", tokens), ("--max-num-seqs", seqs),
                         ("--gpu-memory-utilization", util), ("--speculative-config", draft)):
         if value is not None:
@@ -130,6 +136,20 @@ SETS: dict[str, list[Job]] = {
         kimi("k6-tp1-b8192-s768-dspark-u092", 6, tokens=8192, seqs=768, util=0.92, expected_s=120, role="validation"),
         rank("r44-s1-dspark-u095", 1, role="validation", util=0.95, expected_s=200),
         rank("r23-s3-pp4-dspark-b16384-s64", 3, role="validation", pp=4, tokens=16384, seqs=64, util=0.90, expected_s=200),
+    ],
+    # The next round on one GPU, roles fixed on 2026-12-01 before any of them ran. The edge runs sit at the plan's
+    # proposed largest safe utilization (rehearse --dry-run, 2026-12-01) and just past its predicted boundary.
+    "ranks-round2": [
+        rank("r44-s1-dspark-u0995", 1, role="validation", util=0.995, expected_s=200),  # the proposal for this rank
+        kimi("k6-tp1-b8192-s768-dspark-u088", 6, tokens=8192, seqs=768, util=0.88, expected_s=120, role="validation"),
+        kimi("k6-tp1-b8192-s768-dspark-u0905", 6, tokens=8192, seqs=768, util=0.905, expected_s=120, role="validation"),
+        # CUDA graphs at a TP8 rank's shapes: a shallow and a half-depth stage set the depth term, the deep ones score it.
+        rank("r11-s7-pp8-dspark", 7, role="fit", pp=8, expected_s=120),
+        rank("r23-s0-pp4", 0, role="fit", pp=4, expected_s=150),
+        rank("r49-s0-b2048-s512", 0, role="validation", tokens=2048, seqs=512, expected_s=200),
+        rank("r44-s1-dspark-u080-b16384-s256", 1, role="validation", tokens=16384, seqs=256, util=0.80, expected_s=200),
+        rank("r44-s1-dspark-fp8kv", 1, role="validation", kv="fp8", expected_s=200),
+        rank("r49-s0-eager", 0, role="validation", extra=("--enforce-eager",), expected_s=150),
     ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.

@@ -12,6 +12,7 @@
 #   matrix-tp2     rehearsals on both GPUs (TP2, and PP2 on one node)
 #   matrix-tp8     rehearsals on eight GPUs (TP8, and TP4 x PP2 on one node); skipped on a host with fewer
 #   matrix-ranks   one TP rank of each stage of deploy/config.yaml at full depth, one GPU each (rehearse --rank-of),
+#                  (KIMI_K3_SERVE_RANK_SET=ranks-round2 for the next round)
 #                  and the shapes where the verdict missed; each job's role (fit or validation) is in matrix.py
 #   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes, at DP2 x EP2, + the NCCL test (pytest -m gpu -k "serve or nccl")
 #                  (KIMI_K3_SERVE_GPU_TESTS="EXPR" runs the tests that pytest -k EXPR selects instead, in either tests phase)
@@ -95,7 +96,7 @@ run_phase() {
     matrix-tp1) python3 scripts/gpu/matrix.py --set tp1 --deadline "$(left)" --work "$runs/tp1" --out "$out" "${matrix_args[@]}" ;;
     matrix-tp2) python3 scripts/gpu/matrix.py --set tp2 --deadline "$(left)" --work "$runs/tp2" --out "$out" "${matrix_args[@]}" ;;
     matrix-tp8) python3 scripts/gpu/matrix.py --set tp8 --deadline "$(left)" --work "$runs/tp8" --out "$out" "${matrix_args[@]}" ;;
-    matrix-ranks) python3 scripts/gpu/matrix.py --set ranks --deadline "$(left)" --work "$runs/ranks" --out "$out" "${matrix_args[@]}" ;;
+    matrix-ranks) python3 scripts/gpu/matrix.py --set "${KIMI_K3_SERVE_RANK_SET:-ranks}" --deadline "$(left)" --work "$runs/ranks" --out "$out" "${matrix_args[@]}" ;;
     tests-rehearse|tests-serve)
       local k="rehearse"; [ "$1" = tests-serve ] && k="serve or nccl"
       k="${KIMI_K3_SERVE_GPU_TESTS:-$k}"  # a pytest -k expression: the tests of this call only
