@@ -146,4 +146,4 @@ def test_the_ranks_matrix_names_each_runs_role_before_it_runs(capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["engine_kwargs"]["tensor_parallel_size"] == 1 and len(out["gpus"]) == 1
         if "--rank-of" in job.args:
-            assert out["rank_of"]["real_verdict"] == "fits", job.name
+            assert out["rank_of"]["real_verdict"] in ("fits", "at_risk"), job.name
