@@ -202,9 +202,20 @@ def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check)
             assert serve.poll() is None, f"serve run exited with {serve.returncode}: {(out / 'serve-run.log').read_text()[-3000:]}"
             assert time.monotonic() - started < 900, "the application did not answer /v1/models in 900 s"
             time.sleep(5)
-        readings["ready_seconds"] = round(time.monotonic() - started, 1)
+        readings["models_seconds"] = round(time.monotonic() - started, 1)
         assert _get(f"{base}/v1/models") == 0, "the rehearsal app answered /v1/models without the key"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key)
+        # Ready is a first completion answered: the ingress answers /v1/models minutes before the engine is up.
+        while True:
+            try:
+                client.with_options(timeout=60, max_retries=0).completions.create(model="kimi-k3-slice", prompt="ready?",
+                                                                                  max_tokens=1)
+                break
+            except openai.APIError as exc:
+                assert serve.poll() is None, f"serve run exited with {serve.returncode}: {exc}"
+                assert time.monotonic() - started < 1200, f"no completion answered in 1200 s: {exc}"
+                time.sleep(5)
+        readings["ready_seconds"] = round(time.monotonic() - started, 1)
         models = client.models.list()
         assert [m.id for m in models.data] == ["kimi-k3-slice"]
         completion = client.completions.create(model="kimi-k3-slice", prompt="Hello", max_tokens=8)
@@ -265,6 +276,24 @@ def test_serve_run_on_one_gpu(kimi_slice, one_node) -> None:
         return {}
 
     serve_and_query(one_gpu_config(out), cluster.address, temp_dir, out, check)
+
+
+def test_serve_run_with_the_mla_eagle3_draft_on_one_gpu(kimi_slice, one_node) -> None:
+    """The mission's named draft, served: the rehearsal app with the MLA EAGLE3 draft (Eagle3DeepseekV2ForCausalLM)
+    on one GPU, through the stock OpenAI client (models, completions, chat, streaming with usage, 16 at once)."""
+    cluster, temp_dir = one_node
+    out = OUT / "serve-one-gpu-eagle3-mla"
+    out.mkdir(parents=True, exist_ok=True)
+    config = rehearsal_config_with(out, "gpu-rehearsal-pp1-eagle3-mla.yaml",
+                                   {"tensor_parallel_size": 1, "pipeline_parallel_size": 1},
+                                   {"method": "eagle3", "model": "cache:kimi-k3-slice-eagle3-mla", "num_speculative_tokens": 3})
+
+    def check(logs: str) -> dict:
+        assert "replica check passed in" in logs, "the replica check did not pass (or logged nothing)"
+        assert "Eagle3DeepseekV2ForCausalLM" in logs or "eagle3" in logs.lower(), "the engine loaded no EAGLE3 draft"
+        return {}
+
+    serve_and_query(config, cluster.address, temp_dir, out, check)
 
 
 def planned_ranks(config: Path) -> list[dict]:
