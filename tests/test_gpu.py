@@ -241,6 +241,8 @@ def serve_and_query(config: Path, address: str, temp_dir: str, out: Path, check)
         readings["replica_check"] = re.findall(r"replica check: .*", logs)[:12]
         readings.update(check(logs) or {})
         assert readings["kv_prediction"], "the replica logged no predicted-vs-vLLM KV line"
+        # The KV pool, not only the weights: vLLM's within the plan's measured band (the line says when it is not).
+        assert not any("beyond the plan's margin" in line for line in readings["kv_prediction"]), readings["kv_prediction"]
     finally:
         (out / "readings.json").write_text(json.dumps(readings, indent=1))
         if serve.poll() is None:  # Ctrl-C, as a user stops `serve run`
