@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.rehearsal.slicing import SLICE_ARCHITECTURE, spread
+from kimi_k3_serve.rehearsal.slicing import SLICE_ARCHITECTURE, slice_draft_config, with_top_level_settings
 
 MIN_MOE_INTERMEDIATE_PER_RANK = 256
 """vLLM 0.32 KimiMoE ``min_moe_intermediate_per_partition``: each rank's expert rows are padded up to this under TP."""
@@ -83,31 +83,19 @@ def rank_text_config(config: Mapping[str, Any], rank: RankOf) -> dict[str, Any]:
     if text.get("num_experts"):
         per_rank = _share(text, "moe_intermediate_size", tp, "moe_intermediate_size")
         out["moe_intermediate_size"] = max(per_rank, MIN_MOE_INTERMEDIATE_PER_RANK) if tp > 1 else per_rank
-    quant = text.get("quantization_config") or config.get("quantization_config")
-    if quant is not None:
-        out["quantization_config"] = copy.deepcopy(quant)
-    if "torch_dtype" not in out and "torch_dtype" in config:
-        out["torch_dtype"] = config["torch_dtype"]
-    return out
+    return with_top_level_settings(out, text, config)
 
 
 def rank_draft_config(draft: Mapping[str, Any], rank: RankOf) -> dict[str, Any]:
     """The draft of the last stage at one rank's shapes: its heads and MLP rows split ``tp`` ways (vLLM builds the
     draft with the target's TP), its target layers spread over the slice's layers."""
-    out = copy.deepcopy(dict(draft))
+    out = slice_draft_config(draft, rank.end - rank.start)
     tp = rank.tp
     out["num_attention_heads"] = _share(draft, "num_attention_heads", tp, "speculative draft num_attention_heads")
     out["num_key_value_heads"] = max(1, int(draft.get("num_key_value_heads", draft["num_attention_heads"])) // tp)
     if "head_dim" not in draft and "kv_lora_rank" not in draft:  # GQA drafts derive head_dim from the full width
         out["head_dim"] = int(draft["hidden_size"]) // int(draft["num_attention_heads"])
     out["intermediate_size"] = _share(draft, "intermediate_size", tp, "speculative draft intermediate_size")
-    layers = rank.end - rank.start
-    if "target_layer_ids" in out:
-        ids = spread(layers, min(int(out.get("num_target_layers") or len(out["target_layer_ids"])), layers))
-        out["target_layer_ids"], out["num_target_layers"] = ids, len(ids)
-    for holder in (out, out.get("eagle_config") or {}):
-        if holder.get("eagle_aux_hidden_state_layer_ids"):
-            holder["eagle_aux_hidden_state_layer_ids"] = spread(layers, min(len(holder["eagle_aux_hidden_state_layer_ids"]), layers))
     return out
 
 

@@ -42,6 +42,12 @@ def slice_text_config(config: Mapping[str, Any], num_layers: int, *, field: str 
     lac = out["linear_attn_config"]
     lac["full_attn_layers"] = [int(i) for i in lac["full_attn_layers"] if int(i) <= num_layers]
     lac["kda_layers"] = [int(i) for i in lac["kda_layers"] if int(i) <= num_layers]
+    return with_top_level_settings(out, text, config)
+
+
+def with_top_level_settings(out: dict[str, Any], text: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """``out`` (a text config cut from ``config``) with the quantization and dtype a multimodal config keeps at its
+    top level."""
     quant = text.get("quantization_config") or config.get("quantization_config")
     if quant is not None:
         out["quantization_config"] = copy.deepcopy(quant)
