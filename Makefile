@@ -62,10 +62,13 @@ serve: install models
 	# Our head gets its own auth token in a private file, so that neither another
 	# cluster's token in ~/.ray nor a concurrent `ray start` elsewhere on the machine gets in the way.
 	export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$$ray_dir/auth_token"
+	# Ray's loopback mode (its default on macOS): on Linux Ray would turn 127.0.0.1 into the machine's outward
+	# address, and the head's GCS, raylet and workers would listen where other machines reach them.
+	export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 	# Workers inherit the head's environment: vLLM prints warnings and errors only (VLLM_LOGGING_LEVEL=INFO for all).
 	export VLLM_LOGGING_LEVEL="$(VLLM_LOGGING_LEVEL)"
 	( umask 077; "$(PY)" -c "import secrets; print(secrets.token_hex(32), end='')" > "$$RAY_AUTH_TOKEN_PATH" )
-	"$(VENV)/bin/ray" start --head --block --port $(RAY_PORT) --num-cpus $(RAY_NUM_CPUS) \
+	"$(VENV)/bin/ray" start --head --block --node-ip-address 127.0.0.1 --port $(RAY_PORT) --num-cpus $(RAY_NUM_CPUS) \
 	  --temp-dir "$$ray_dir" --include-dashboard false --disable-usage-stats > "$$ray_dir/ray-head.log" 2>&1 &
 	ray_pid=$$!
 	waiter_pid=
