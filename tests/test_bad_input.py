@@ -357,7 +357,7 @@ PLAN = ["plan", "--model", "kimi-k3", "--max-model-len", "8192"]
     [
         (["--gpu", "H900", "--nodes", "2"], "gpu"),
         (["--gpu", "H200", "--nodes", "0"], "nodes"),
-        (["--gpu", "H200", "--nodes", "2", "--gpus-per-node", "0"], "gpus_per_node"),
+        (["--gpu", "H200", "--nodes", "2", "--gpus-per-node", "0"], "--gpus-per-node"),
         (["--gpu", "H200"], "--gpu/--nodes"),
         (["--gpu", "H200", "--nodes", "2", "--tp", "3"], "tp"),
         (["--gpu", "H200", "--nodes", "2", "--layer-partition", "a,b"], "--layer-partition"),

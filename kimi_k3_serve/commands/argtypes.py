@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import argparse
 
+# Bounds on counts given on the command line: far above any real deployment, low enough that nothing the planner
+# builds from them (ranks, nodes, layers) takes long.
+MAX_TP = 64
+"""The largest tensor parallel size the planner searches (``planner.TP_CHOICES``)."""
+MAX_LAYERS = 1024
+"""Pipeline stages cannot outnumber layers; config.json files are refused above this many layers."""
+MAX_NUM_SEQS = 2**20
+MAX_BATCHED_TOKENS = 2**24
+
 
 def positive_int(text: str) -> int:
     """An integer >= 1; ``_`` and ``,`` may group digits (``32_768``, ``1,048,576``)."""
     try:
         value = int(text.replace("_", "").replace(",", ""))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive integer") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive integer")
     return value
 
 
@@ -21,7 +30,24 @@ def fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number in (0, 1]") from None
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number in (0, 1]")
     return value
+
+
+def int_from(low: int, high: int):
+    """An argparse type: an integer from ``low`` to ``high`` (``_`` and ``,`` may group digits). Counts are bounded
+    so that a typo (``--nodes 1000000000``) is refused at once rather than building that many nodes."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace("_", "").replace(",", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer from {low:,} to {high:,}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer from {low:,} to {high:,}")
+        return value
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
-from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, SPECULATIVE_METHODS
+from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 ARGS_ROOT = "args"
 MODEL_CACHE_ENV = "KIMI_K3_SERVE_MODEL_CACHE"
@@ -145,7 +145,7 @@ class LimitsArgs(Section):
 class SpeculativeArgs(Section):
     method: Literal["eagle3", "dspark"] = Field(description=f"Draft family: {', '.join(SPECULATIVE_METHODS)}.")
     model: str = Field(min_length=1, description="The draft's weights: local folder, hub id, or `cache:NAME`.")
-    num_speculative_tokens: int = Field(ge=1, description="Tokens the draft proposes per step.")
+    num_speculative_tokens: int = Field(ge=1, le=MAX_SPECULATIVE_TOKENS, description="Tokens the draft proposes per step.")
     draft_tensor_parallel_size: int | None = Field(
         default=None, ge=1, description="vLLM allows 1 or the target's TP; None: the target's TP."
     )

@@ -7,6 +7,7 @@ the inventory does not know is an UnsupportedModelError naming it, never a guess
 
 from __future__ import annotations
 
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -70,7 +71,8 @@ def architecture_of(config: Mapping[str, Any], *, source: str | None = None) -> 
 def inventory_from_config(config: Mapping[str, Any], *, name: str = "model", source: str | None = None) -> ModelInventory:
     arch = architecture_of(config, source=source)
     try:
-        return _BUILDERS[arch](config, arch, name=name, source=source)
+        inventory = _BUILDERS[arch](config, arch, name=name, source=source)
+        return replace(inventory, max_model_len_limit=_max_model_len_limit(config, inventory.max_position_embeddings))
     except ConfigError:
         raise
     except (TypeError, ValueError, AttributeError) as exc:
@@ -78,6 +80,22 @@ def inventory_from_config(config: Mapping[str, Any], *, name: str = "model", sou
         # still the config's fault, so one line, not a traceback.
         raise UnsupportedModelError("model", source or name, f"expected a {arch} config.json with fields of the usual "
                                     f"types ({type(exc).__name__}: {str(exc)[:100]})") from None
+
+
+# RoPE types whose max_position_embeddings vLLM 0.32 takes as already scaled (config/model.py _get_and_verify_max_len).
+_ROPE_TYPES_NOT_SCALING_THE_LENGTH = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _max_model_len_limit(config: Mapping[str, Any], positions: int) -> int:
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    factor = 1.0
+    if isinstance(rope, Mapping) and "gemma3" not in str(text.get("model_type", "")):
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        given = rope.get("factor")
+        if rope_type not in _ROPE_TYPES_NOT_SCALING_THE_LENGTH and isinstance(given, (int, float)) and given > 0:
+            factor = float(given)
+    return int(positions * factor)
 
 
 def load_model(source: str | Path) -> ModelInventory:

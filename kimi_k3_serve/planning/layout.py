@@ -16,6 +16,9 @@ LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("eagle3", "dspark")
+MAX_SPECULATIVE_TOKENS = 64
+"""Tokens a draft may propose per step. Drafts are trained for a handful (DSpark 7, EAGLE3 3); each one adds a
+query token per sequence to every step's batch and CUDA graphs, so thousands are a typo, not a setting."""
 
 
 def _positive(name: str, value: int) -> None:
@@ -102,6 +105,9 @@ class SpeculativeSettings:
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError("speculative.method", self.method, f"expected one of {', '.join(SPECULATIVE_METHODS)}")
         _positive("speculative.num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError("speculative.num_speculative_tokens", self.num_speculative_tokens,
+                              f"expected an integer from 1 to {MAX_SPECULATIVE_TOKENS} (tokens the draft proposes per step)")
 
 
 @dataclass(frozen=True)

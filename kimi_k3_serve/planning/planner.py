@@ -206,6 +206,15 @@ def legal_tp_sizes(model: ModelInventory) -> list[int]:
     return legal
 
 
+def validate_length(model: ModelInventory, max_model_len: int, *, field: str = "engine.max_model_len") -> None:
+    """A length beyond the model's positions is bad input, as vLLM refuses it (without
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN), not a memory shortfall."""
+    limit = model.max_model_len_limit
+    if limit and max_model_len > limit:
+        raise ConfigError(field, max_model_len, f"expected at most {limit:,} tokens: the positions {model.name} has "
+                                                f"(config.json max_position_embeddings, with its RoPE scaling)")
+
+
 def validate_pins(model: ModelInventory, pins: Pins) -> None:
     """Refuse pins vLLM would refuse for this model, naming the pin and what is allowed."""
     legal = legal_tp_sizes(model)
@@ -333,6 +342,7 @@ def plan(
     if objective not in OBJECTIVES:
         raise ConfigError("objective", objective, f"one of {', '.join(OBJECTIVES)}")
     validate_pins(model, pins)
+    validate_length(model, engine.max_model_len)
     nodes = _check_cluster(cluster)
     total_gpus = sum(node.free_gpu_count for node in nodes)
     domain_sizes: dict[str, int] = {}
