@@ -547,3 +547,79 @@ def test_zero_or_absurd_model_sizes_are_bad_input(field, value, tmp_path, capsys
     assert time.perf_counter() - started < HOSTILE_INPUT_SECONDS
     expected = "model" if field.endswith("kda_layers") else field
     assert_clear_bad_input(code, out, err, expected, paths=[str(path)])
+
+
+# --- values that used to be planned as a shortfall, hang, or fail after the work: bad input, up front -------------
+
+
+@pytest.mark.parametrize("argv, field, words", [
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "1000000000", "--max-model-len", "8192"], "--nodes", "4,096"),
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--gpus-per-node", "100000",
+      "--max-model-len", "8192"], "--gpus-per-node", "72"),
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--min", "--max-nodes", "100000000", "--max-model-len", "8192"],
+     "--max-nodes", "4,096"),
+    (["memory", "--gpu", "H200", "--tp", "1000000000", "--max-model-len", "8192"], "--tp", "64"),
+    (["memory", "--gpu", "H200", "--tp", "8", "--pp", "100000", "--max-model-len", "8192"], "--pp", "1,024"),
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--max-model-len", "100000000000"],
+     "--max-model-len", "1,048,576"),
+    (["memory", "--gpu", "H200", "--tp", "8", "--pp", "2", "--max-model-len", "1048577"], "--max-model-len", "1,048,576"),
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--max-model-len", "8192", "--speculative-method",
+      "dspark", "--draft", "kimi-k3-dspark", "--num-speculative-tokens", "100000000"], "--num-speculative-tokens", "64"),
+    (["memory", "--gpu", "H200", "--tp", "8", "--pp", "2", "--max-model-len", "8192", "--speculative-config",
+      '{"method": "dspark", "num_speculative_tokens": 100000000}'], "--speculative-config.num_speculative_tokens", "64"),
+    # 3 divides the 96 heads; vLLM refuses it because it does not divide the padded vocabulary (163,840)
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--tp", "3", "--max-model-len", "8192"],
+     "tp", "3 does not divide vocab_size (padded to a multiple of 64) = 163,840"),
+    (["memory", "--gpu", "H200", "--tp", "3", "--max-model-len", "8192"], "--tp", "3 does not divide vocab_size"),
+], ids=["nodes-1e9", "gpus-per-node-huge", "max-nodes-huge", "memory-tp-1e9", "memory-pp-huge", "plan-length-beyond-positions",
+        "memory-length-one-beyond", "plan-speculative-tokens-absurd", "memory-speculative-tokens-absurd", "plan-tp-3-real-reason",
+        "memory-tp-3-real-reason"])
+def test_counts_and_lengths_are_bounded(argv, field, words, capsys):
+    started = time.perf_counter()
+    code, out, err = run_cli(argv, capsys)
+    assert time.perf_counter() - started < HOSTILE_INPUT_SECONDS
+    assert_clear_bad_input(code, out, err, field)
+    assert words in err
+    assert err.startswith(f"error: {field}: got ")
+
+
+def test_a_deploy_config_longer_than_the_model_is_bad_input(tmp_path, capsys):
+    case = Case("length-beyond-positions", "args.limits.max_model_len", _set("limits.max_model_len", 2_000_000))
+    config = _write_config(case, tmp_path)
+    code, out, err = run_cli(["check", "--config", str(config), "--cluster", str(GOOD_CLUSTERS["simple"])], capsys)
+    assert_clear_bad_input(code, out, err, "args.limits.max_model_len", paths=[str(config)])
+    assert "1,048,576" in err
+
+
+@pytest.mark.parametrize("plot, words", [
+    ("no-such-folder/fit.png", "existing folder"),
+    ("fit.xyz", "ending in .png"),
+    (".", "ending in .png"),  # a folder: the plot used to be written beside it, as ..png
+])
+def test_plot_path_is_checked_before_the_check_runs(plot, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["check", "--config", str(GOOD_CONFIG), "--cluster", str(GOOD_CLUSTERS["simple"]),
+                              "--plot", plot], capsys)
+    assert_clear_bad_input(code, out, err, "--plot", paths=[str(GOOD_CONFIG), str(GOOD_CLUSTERS["simple"])])
+    assert words in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_work_dir_that_is_a_file_is_bad_input(tmp_path, capsys):
+    a_file = tmp_path / "input-a"
+    a_file.write_text("")
+    for work_dir in (a_file, a_file / "below"):
+        code, out, err = run_cli(["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", "--work-dir", str(work_dir)],
+                                 capsys)
+        assert_clear_bad_input(code, out, err, "--work-dir", paths=[str(work_dir)])
+
+
+@pytest.mark.parametrize("extra, code_expected", [([], 0), (["--tp", "3"], 2)], ids=["dry-run", "bad-input"])
+def test_rehearse_leaves_no_temp_folder(extra, code_expected, tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the rehearsal's folder
+    code, out, err = run_cli(["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", *extra], capsys)
+    assert code == code_expected, err
+    assert "kimi-k3-rehearse-" in out or code_expected == 2  # the dry run did use a temp folder
+    assert list(tmp_path.glob("kimi-k3-rehearse-*")) == []

@@ -51,3 +51,18 @@ def int_from(low: int, high: int):
 
     parse.__name__ = f"integer from {low} to {high}"
     return parse
+
+
+def png_path(text: str) -> str:
+    """A PNG file to write: a name ending in .png (the plot is always a PNG) in a folder that exists and can be
+    written, checked before any work so that a bad name is not found after the check has run."""
+    import os
+
+    if not text.lower().endswith(".png") or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a file name ending in .png")
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a .png file in an existing folder ({folder} is not one)")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a .png file in a folder we may write ({folder} is not)")
+    return text

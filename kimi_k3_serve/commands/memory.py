@@ -155,7 +155,11 @@ def _run(args: argparse.Namespace) -> int:
         device = RankDevice(args.gpu_bytes, args.compute_capability or (9, 0), name="")
         gpu_label = f"{fmt_gib(args.gpu_bytes)} GPU"
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, dcp=args.dcp, layer_partition=args.layer_partition)
-    from kimi_k3_serve.planning.planner import validate_length
+    from kimi_k3_serve.planning.planner import tp_refusal, validate_length
+
+    refusal = tp_refusal(model, args.tp)
+    if refusal:
+        raise ConfigError("layout.tp", args.tp, f"expected a size vLLM accepts for {model.name}: {refusal}")
 
     max_len = args.max_model_len or model_config_length(model)
     validate_length(model, max_len)

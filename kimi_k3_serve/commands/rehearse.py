@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -378,6 +379,26 @@ def _marker(text: str, name: str) -> dict[str, Any] | None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    """With ``--work-dir``, the rehearsal's files go there; without, to a temp folder that is removed unless an
+    engine ran (its log and result.json are printed as the place to look)."""
+    if ns.work_dir is not None:
+        work = Path(ns.work_dir)
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--work-dir", ns.work_dir, f"expected a folder that is or can be made ({exc.strerror})") from None
+        return _run(ns, work)
+    work, engine_ran = Path(tempfile.mkdtemp(prefix="kimi-k3-rehearse-")), False
+    try:
+        code = _run(ns, work)
+        engine_ran = not ns.dry_run
+        return code
+    finally:
+        if not engine_ran:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(ns: argparse.Namespace, work: Path) -> int:
     from kimi_k3_serve.config.args_adapter import planner_inputs
     from kimi_k3_serve.planning.memory import resolved_batch
     from kimi_k3_serve.rehearsal.compare import compare, measured_verdict, render_table
@@ -387,8 +408,6 @@ def run(ns: argparse.Namespace) -> int:
     if ns.config is None and ns.model is None:
         ns.model = "moonshotai/Kimi-K3"
     args = serve_args_of(ns)
-    work = Path(ns.work_dir or tempfile.mkdtemp(prefix="kimi-k3-rehearse-"))
-    work.mkdir(parents=True, exist_ok=True)
     args, target_dir, draft_dir = materialize_models(args, work, ns.layers)
     if ns.executor == "ray":
         device, labels = cluster_devices(args.parallel.world_size, args.accelerator.type)
