@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-# Bounds on counts given on the command line: far above any real deployment, low enough that nothing the planner
-# builds from them (ranks, nodes, layers) takes long.
-MAX_TP = 64
-"""The largest tensor parallel size the planner searches (``planner.TP_CHOICES``)."""
-MAX_LAYERS = 1024
-"""Pipeline stages cannot outnumber layers; config.json files are refused above this many layers."""
-MAX_NUM_SEQS = 2**20
-MAX_BATCHED_TOKENS = 2**24
+# The bounds on counts, shared with the deploy config's schema: far above any real deployment.
+from kimi_k3_serve.planning.layout import MAX_BATCHED_TOKENS, MAX_DP, MAX_NUM_SEQS, MAX_PP, MAX_TP
+
+MAX_LAYERS = MAX_PP
 
 
 def positive_int(text: str) -> int:

@@ -15,11 +15,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from kimi_k3_serve.commands.argtypes import MAX_BATCHED_TOKENS, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction, int_from, positive_int
+from kimi_k3_serve.commands.argtypes import MAX_BATCHED_TOKENS, MAX_DP, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction, int_from, positive_int
 from kimi_k3_serve.commands.lengths import given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import gpu_names, lookup_gpu
-from kimi_k3_serve.planning.inventory import MAX_DECLARED_NODES
 from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.units import GiB, fmt_gib
 
@@ -30,9 +29,9 @@ def _partition(text: str) -> tuple[int, ...]:
     try:
         parts = tuple(int(p) for p in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts such as 47,46, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated layer counts such as 47,46") from None
     if not parts or any(p < 1 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive layer counts, got {text!r}")
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated positive layer counts")
     return parts
 
 
@@ -41,7 +40,7 @@ def _capability(text: str) -> tuple[int, int]:
         major, minor = text.split(".")
         return int(major), int(minor)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR such as 9.0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected MAJOR.MINOR such as 9.0") from None
 
 
 EXAMPLES = """\
@@ -67,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int_from(1, MAX_TP), default=1, help="tensor parallel size")
     parser.add_argument("--pp", type=int_from(1, MAX_LAYERS), default=1, help="pipeline parallel size")
     parser.add_argument("--ep", action=argparse.BooleanOptionalAction, default=False, help="enable expert parallelism")
-    parser.add_argument("--dp", type=int_from(1, MAX_DECLARED_NODES), default=1, help="data parallel size")
+    parser.add_argument("--dp", type=int_from(1, MAX_DP), default=1, help="data parallel size")
     parser.add_argument("--dcp", type=int_from(1, MAX_TP), default=1, help="decode context parallel size")
     parser.add_argument("--layer-partition", type=_partition, default=None, help="layers per PP stage, e.g. 47,46")
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt plus output, in tokens (default: the model config's max_position_embeddings, "

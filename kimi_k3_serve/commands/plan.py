@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from kimi_k3_serve.commands.argtypes import MAX_BATCHED_TOKENS, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction, int_from, positive_int
+from kimi_k3_serve.commands.argtypes import MAX_BATCHED_TOKENS, MAX_DP, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction, int_from, positive_int
 from kimi_k3_serve.commands.lengths import LengthChoice, given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--tp", type=int_from(1, MAX_TP))
     pins.add_argument("--pp", type=int_from(1, MAX_LAYERS))
     pins.add_argument("--ep", action=argparse.BooleanOptionalAction, default=None, help="expert parallelism")
-    pins.add_argument("--dp", type=int_from(1, MAX_DECLARED_NODES))
+    pins.add_argument("--dp", type=int_from(1, MAX_DP))
     pins.add_argument("--layer-partition", help="layers per PP stage, e.g. 31,30 (VLLM_PP_LAYER_PARTITION)")
     parser.add_argument("--objective", default="fewest-nodes", choices=OBJECTIVES,
                         help="how to rank layouts that fit (default: fewest nodes, then most concurrency)")

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kimi_k3_serve.commands.argtypes import fraction, positive_int
+from kimi_k3_serve.commands.argtypes import MAX_DP, MAX_LAYERS, MAX_TP, fraction, int_from, positive_int
 from kimi_k3_serve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -44,9 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a Serve deploy config whose application is kimi_k3_serve.app:build_app")
     parser.add_argument("--app", default=None, help="the application's name in --config (default: the only one)")
     parser.add_argument("--model", default=None, help="without --config: kimi-k3, a config.json or a checkpoint folder")
-    parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (overrides --config)")
-    parser.add_argument("--pp", type=positive_int, default=None, help="pipeline parallel size (overrides --config)")
-    parser.add_argument("--dp", type=positive_int, default=None,
+    parser.add_argument("--tp", type=int_from(1, MAX_TP), default=None, help="tensor parallel size (overrides --config)")
+    parser.add_argument("--pp", type=int_from(1, MAX_LAYERS), default=None, help="pipeline parallel size (overrides --config)")
+    parser.add_argument("--dp", type=int_from(1, MAX_DP), default=None,
                         help="data parallel size (overrides --config): one engine per DP rank, on TP x PP GPUs each")
     parser.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="split the experts over the TP x DP ranks (overrides --config)")
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSON, e.g. \'{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}\'; '
                              '"none" drops the config\'s draft')
     parser.add_argument("--engine-kwargs", default=None, help="JSON of extra vLLM engine arguments, merged over the config's")
-    parser.add_argument("--layers", type=positive_int, default=None, help="rehearse a Kimi-K3 slice of this many layers")
+    parser.add_argument("--layers", type=int_from(1, MAX_LAYERS), default=None, help="rehearse a Kimi-K3 slice of this many layers")
     parser.add_argument("--executor", choices=("mp", "ray"), default="mp", help="vLLM's executor (default mp: one host)")
     parser.add_argument("--work-dir", default=None, help="where model configs, the spec and the log go (default: a temp dir)")
     parser.add_argument("--timeout", type=positive_int, default=1800.0, help="seconds before the engine is stopped (default 1800)")
