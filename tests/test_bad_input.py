@@ -359,7 +359,7 @@ PLAN = ["plan", "--model", "kimi-k3", "--max-model-len", "8192"]
         (["--gpu", "H200", "--nodes", "0"], "nodes"),
         (["--gpu", "H200", "--nodes", "2", "--gpus-per-node", "0"], "--gpus-per-node"),
         (["--gpu", "H200"], "--gpu/--nodes"),
-        (["--gpu", "H200", "--nodes", "2", "--tp", "3"], "tp"),
+        (["--gpu", "H200", "--nodes", "2", "--tp", "3"], "--tp"),
         (["--gpu", "H200", "--nodes", "2", "--layer-partition", "a,b"], "--layer-partition"),
         (["--gpu", "H200", "--nodes", "2", "--speculative-method", "eagle3"], "--speculative-method/--draft"),
         (["--cluster", "/no/such/cluster.yaml"], "cluster"),
@@ -569,7 +569,7 @@ def test_zero_or_absurd_model_sizes_are_bad_input(field, value, tmp_path, capsys
       '{"method": "dspark", "num_speculative_tokens": 100000000}'], "--speculative-config.num_speculative_tokens", "64"),
     # 3 divides the 96 heads; vLLM refuses it because it does not divide the padded vocabulary (163,840)
     (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--tp", "3", "--max-model-len", "8192"],
-     "tp", "3 does not divide vocab_size (padded to a multiple of 64) = 163,840"),
+     "--tp", "3 does not divide vocab_size (padded to a multiple of 64) = 163,840"),
     (["memory", "--gpu", "H200", "--tp", "3", "--max-model-len", "8192"], "--tp", "3 does not divide vocab_size"),
 ], ids=["nodes-1e9", "gpus-per-node-huge", "max-nodes-huge", "memory-tp-1e9", "memory-pp-huge", "plan-length-beyond-positions",
         "memory-length-one-beyond", "plan-speculative-tokens-absurd", "memory-speculative-tokens-absurd", "plan-tp-3-real-reason",

@@ -130,7 +130,22 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
     )
 
 
+_FLAG_OF_PIN = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "ep": "--ep", "layer_partition": "--layer-partition",
+                "gpus_per_node": "--gpus-per-node"}
+
+
 def run(args: argparse.Namespace) -> int:
+    """Name the command-line flag in an error about a pin that came from one (the planner names its pins)."""
+    try:
+        return _run(args)
+    except ConfigError as exc:
+        flag = _FLAG_OF_PIN.get(exc.field)
+        if flag is None:
+            raise
+        raise type(exc)(flag, exc.value, exc.allowed, source=exc.source) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     from kimi_k3_serve.models import load_model
     from kimi_k3_serve.planning.planner import NoLayoutFitsError, Pins, plan, validate_length
 
