@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import re
 import sys
 from typing import Sequence
 
@@ -40,9 +41,31 @@ def _available_commands() -> dict[str, tuple[str, str]]:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own bad-input path: same exit code as ours
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"error: {message}\n")
+    def error(self, message: str) -> None:  # argparse's own bad-input path: same exit code and one line, as ours
+        self.exit(EXIT_BAD_INPUT, f"error: {one_line_argparse_error(message, self.prog)}\n")
+
+
+_ARGPARSE_MESSAGES = [
+    (re.compile(r"argument (?P<field>[^:]+): invalid choice: (?P<value>.+?) \(choose from (?P<allowed>.+)\)$"),
+     "{field}: got {value}; expected one of {allowed}"),
+    (re.compile(r"argument (?P<field>[^:]+): invalid (?P<kind>int|float) value: (?P<value>.+)$"),
+     "{field}: got {value}; expected {kind_words}"),
+    (re.compile(r"argument (?P<field>[^:]+): expected (?P<allowed>.*argument.*)$"), "{field}: got no value; expected {allowed}"),
+    (re.compile(r"argument (?P<field>[^:]+): (?P<rest>got .+)$"), "{field}: {rest}"),  # our argtypes' words
+    (re.compile(r"the following arguments are required: (?P<field>.+)$"), "{field}: got nothing; expected it (required)"),
+    (re.compile(r"unrecognized arguments: (?P<value>.+)$"), "arguments: got {value!r}; expected the options `{prog} COMMAND --help` lists"),
+]
+
+
+def one_line_argparse_error(message: str, prog: str) -> str:
+    """argparse's message in our form, ``FIELD: got VALUE; expected ALLOWED``, when it is one of those we know."""
+    for pattern, form in _ARGPARSE_MESSAGES:
+        match = pattern.match(message)
+        if match:
+            parts = match.groupdict()
+            kind_words = {"int": "an integer", "float": "a number"}.get(parts.get("kind", ""), "")
+            return form.format(**parts, kind_words=kind_words, prog=prog)
+    return message.replace("\n", " ")
 
 
 def build_parser() -> argparse.ArgumentParser:

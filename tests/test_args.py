@@ -219,7 +219,7 @@ def test_serve_file_good(tmp_path):
 @pytest.mark.parametrize(
     ("text", "field", "words"),
     [
-        ("applications: [\n", "config", "not valid YAML at line 2"),
+        ("applications: [\n", "config", "valid YAML (not at line 2"),
         ("- just a list\n", "config", "expected a mapping"),
         (GOOD_FILE.replace("kimi_k3_serve.app:build_app", "ray.serve.llm:build_openai_app"),
          "config.applications[].import_path", "kimi_k3_serve.app:build_app"),

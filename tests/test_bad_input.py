@@ -9,9 +9,11 @@ run as real subprocesses, and a few go through ``build_app``, the path ``serve d
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -238,8 +240,10 @@ CLUSTER_CASES = [
 
 # The planner checks these; it names its own pins (``tp``, ``layout.pp``, ``layer_partition``) rather than
 # the deploy config's fields. The mapping belongs where the check turns args into planner pins (preflight).
+# The files are named after no field: a message names its file, and a file named config.yaml would name the field
+# ``config`` for any message. ``assert_clear_bad_input`` also takes the paths out before it looks for the field.
 def _write_config(case: Case, tmp_path: Path) -> Path:
-    path = tmp_path / "config.yaml"
+    path = tmp_path / "input-a.yaml"
     if case.raw_config is not None:
         path.write_text(case.raw_config)
         return path
@@ -251,7 +255,7 @@ def _write_config(case: Case, tmp_path: Path) -> Path:
 
 
 def _write_cluster(case: Case, tmp_path: Path) -> Path:
-    path = tmp_path / "cluster.yaml"
+    path = tmp_path / "input-b.yaml"
     if case.raw_cluster is not None:
         path.write_text(case.raw_cluster)
         return path
@@ -272,13 +276,24 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def assert_clear_bad_input(code: int, out: str, err: str, field: str) -> None:
+def assert_clear_bad_input(code: int, out: str, err: str, field: str, *, paths: list[str] = ()) -> None:
+    """Exit 2, one ``error:`` line on stderr, no traceback, and ``field`` named in the message itself: the
+    ``paths`` of the files given are taken out first, so that a file or folder name cannot name it instead."""
     assert code == 2, f"exit code {code}\nstdout: {out}\nstderr: {err}"
     assert "Traceback" not in err and "Traceback" not in out
     lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error:"), err
-    assert field in lines[-1], f"{field!r} not named in: {lines[-1]}"
-    print(f"\n  {lines[-1][:200]}")
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    message = lines[0]
+    for path in sorted(paths, key=len, reverse=True):
+        message = message.replace(path, "<path>")
+    assert field in message, f"{field!r} not named in: {message}"
+    print(f"\n  {message[:200]}")
+
+
+def _paths_in(err: str, tmp_path: Path) -> list[str]:
+    """The good files and anything under ``tmp_path`` that a message may quote."""
+    known = [str(GOOD_CONFIG), str(DEV_CONFIG), *map(str, GOOD_CLUSTERS.values())]
+    return known + [word.strip("'\":;,()") for word in err.split() if str(tmp_path) in word]
 
 
 def _cases():
@@ -293,7 +308,7 @@ def test_check_refuses_bad_input_naming_the_field(case: Case, tmp_path, capsys):
     config = _write_config(case, tmp_path)
     cluster = _write_cluster(case, tmp_path)
     code, out, err = run_cli(["check", "--config", str(config), "--cluster", str(cluster)], capsys)
-    assert_clear_bad_input(code, out, err, case.field)
+    assert_clear_bad_input(code, out, err, case.field, paths=[str(config), str(cluster)])
     assert not ray.is_initialized()  # nothing started
 
 
@@ -310,28 +325,28 @@ def test_unreadable_files_are_bad_input(tmp_path, capsys):
     folder = tmp_path / "a-folder.yaml"
     folder.mkdir()
     code, out, err = run_cli(["check", "--config", str(folder), "--cluster", str(GOOD_CLUSTERS["simple"])], capsys)
-    assert_clear_bad_input(code, out, err, "config")
+    assert_clear_bad_input(code, out, err, "config", paths=_paths_in(err, tmp_path))
     code, out, err = run_cli(["check", "--config", str(GOOD_CONFIG), "--cluster", str(folder)], capsys)
-    assert_clear_bad_input(code, out, err, "cluster")
+    assert_clear_bad_input(code, out, err, "cluster", paths=_paths_in(err, tmp_path))
     code, out, err = run_cli(["check", "--config", str(tmp_path / "missing.yaml"), "--cluster",
                               str(GOOD_CLUSTERS["simple"])], capsys)
-    assert_clear_bad_input(code, out, err, "config")
+    assert_clear_bad_input(code, out, err, "config", paths=_paths_in(err, tmp_path))
     if os.geteuid() != 0:  # root reads a mode-000 file anyway
         locked = tmp_path / "locked.yaml"
         locked.write_text(GOOD_CONFIG.read_text())
         locked.chmod(0)
         code, out, err = run_cli(["check", "--config", str(locked), "--cluster", str(GOOD_CLUSTERS["simple"])], capsys)
-        assert_clear_bad_input(code, out, err, "config")
+        assert_clear_bad_input(code, out, err, "config", paths=_paths_in(err, tmp_path))
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00\x01garbage")
     code, out, err = run_cli(["check", "--config", str(binary), "--cluster", str(GOOD_CLUSTERS["simple"])], capsys)
-    assert_clear_bad_input(code, out, err, "config")
+    assert_clear_bad_input(code, out, err, "config", paths=_paths_in(err, tmp_path))
 
 
-def test_app_name_that_does_not_exist(capsys):
+def test_app_name_that_does_not_exist(capsys, tmp_path):
     code, out, err = run_cli(["check", "--config", str(GOOD_CONFIG), "--app", "nope", "--cluster",
                               str(GOOD_CLUSTERS["simple"])], capsys)
-    assert_clear_bad_input(code, out, err, "config.applications[].name")
+    assert_clear_bad_input(code, out, err, "config.applications[].name", paths=_paths_in(err, tmp_path))
 
 
 PLAN = ["plan", "--model", "kimi-k3", "--max-model-len", "8192"]
@@ -342,9 +357,9 @@ PLAN = ["plan", "--model", "kimi-k3", "--max-model-len", "8192"]
     [
         (["--gpu", "H900", "--nodes", "2"], "gpu"),
         (["--gpu", "H200", "--nodes", "0"], "nodes"),
-        (["--gpu", "H200", "--nodes", "2", "--gpus-per-node", "0"], "gpus_per_node"),
+        (["--gpu", "H200", "--nodes", "2", "--gpus-per-node", "0"], "--gpus-per-node"),
         (["--gpu", "H200"], "--gpu/--nodes"),
-        (["--gpu", "H200", "--nodes", "2", "--tp", "3"], "tp"),
+        (["--gpu", "H200", "--nodes", "2", "--tp", "3"], "--tp"),
         (["--gpu", "H200", "--nodes", "2", "--layer-partition", "a,b"], "--layer-partition"),
         (["--gpu", "H200", "--nodes", "2", "--speculative-method", "eagle3"], "--speculative-method/--draft"),
         (["--cluster", "/no/such/cluster.yaml"], "cluster"),
@@ -356,20 +371,18 @@ PLAN = ["plan", "--model", "kimi-k3", "--max-model-len", "8192"]
 )
 def test_plan_refuses_bad_input_naming_the_field(extra, field, capsys):
     code, out, err = run_cli(PLAN + extra, capsys)
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err
-    assert field in err, err
-    print(f"\n  {err.strip().splitlines()[-1][:200]}")
+    given_paths = [arg for arg in extra if "/" in arg]
+    assert_clear_bad_input(code, out, err, field, paths=given_paths)
 
 
 def test_plan_refuses_a_model_file_that_does_not_exist(tmp_path, capsys):
     code, out, err = run_cli(["plan", "--model", str(tmp_path / "config.json"), "--gpu", "H200", "--nodes", "1",
                               "--max-model-len", "1024"], capsys)
-    assert_clear_bad_input(code, out, err, "model")
+    assert_clear_bad_input(code, out, err, "model", paths=_paths_in(err, tmp_path))
     (tmp_path / "config.json").write_text("{not json")
     code, out, err = run_cli(["plan", "--model", str(tmp_path / "config.json"), "--gpu", "H200", "--nodes", "1",
                               "--max-model-len", "1024"], capsys)
-    assert_clear_bad_input(code, out, err, "model")
+    assert_clear_bad_input(code, out, err, "model", paths=_paths_in(err, tmp_path))
 
 
 # --- as real processes --------------------------------------------------------------------------------------------
@@ -383,9 +396,7 @@ def test_cli_process_exits_2_without_traceback(name, tmp_path):
         [sys.executable, "-m", "kimi_k3_serve.cli", "check", "--config", str(config), "--cluster", str(cluster)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    assert case.field in done.stderr.strip().splitlines()[-1]
+    assert_clear_bad_input(done.returncode, done.stdout, done.stderr, case.field, paths=[str(config), str(cluster)])
     assert "sk-live-123" not in done.stderr + done.stdout
 
 
@@ -406,3 +417,209 @@ def test_build_app_refuses_before_deploying(name):
         build_app(_args(doc))
     assert case.field in str(info.value)
     assert not ray.is_initialized()
+
+
+# --- inputs that used to hang or end in a traceback: one line, exit 2, within 2 s, as real processes -------------
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(9))
+HOSTILE_FILES = {
+    "alias-bomb": (ALIAS_BOMB, "aliases expanded"),
+    "self-referencing-anchor": ("applications: &a\n  - *a\n", "self-reference"),
+    "deep-flow-nesting": ("[" * 50_000 + "]" * 50_000, "nested at most"),
+    "deep-block-nesting": ("a:\n" + "".join("  " * i + "b:\n" for i in range(1, 200)), "nested at most"),
+    "huge-integer": ("applications: " + "9" * 5000 + "\n", "valid YAML"),
+}
+HOSTILE_INPUT_SECONDS = 2.0
+
+
+def run_cli_process(argv: list[str], cwd: Path) -> tuple[int, str, str, float]:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "kimi_k3_serve.cli", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=cwd, stdin=subprocess.DEVNULL)
+    return done.returncode, done.stdout, done.stderr, time.perf_counter() - started
+
+
+def assert_one_line_in_time(code: int, out: str, err: str, seconds: float, field: str, *, paths: list[str]) -> None:
+    """Exit 2, exactly one stderr line, ``error: FIELD: ...`` with ``FIELD`` named outside the file paths (a path
+    such as ``/tmp/.../config.yaml`` would otherwise name ``config`` for any message), and under the time bound."""
+    assert code == 2, f"exit code {code}\nstdout: {out}\nstderr: {err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    message = lines[0]
+    for path in paths:
+        message = message.replace(path, "<path>")
+    assert message.startswith(f"error: {field}: ") or f": {field}: got" in message, message
+    assert "Traceback" not in err + out
+    assert seconds < HOSTILE_INPUT_SECONDS + STARTUP_ALLOWANCE_S, f"{seconds:.2f} s"
+    print(f"\n  {seconds:.2f} s  {message[:160]}")
+
+
+STARTUP_ALLOWANCE_S = 3.0
+"""The interpreter and our imports, on a loaded 2-core CI machine; the reading itself must take under 2 s."""
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_FILES))
+@pytest.mark.parametrize("role", ["config", "cluster"])
+def test_hostile_yaml_is_refused_quickly(name, role, tmp_path):
+    text, words = HOSTILE_FILES[name]
+    hostile = tmp_path / "input-a.yaml"  # names no field
+    hostile.write_text(text)
+    config, cluster = (hostile, GOOD_CLUSTERS["simple"]) if role == "config" else (GOOD_CONFIG, hostile)
+    code, out, err, seconds = run_cli_process(["check", "--config", str(config), "--cluster", str(cluster)], tmp_path)
+    assert_one_line_in_time(code, out, err, seconds, role, paths=[str(hostile)])
+    assert words in err
+
+
+def test_yaml_bounds_are_checked_before_the_document_is_built():
+    from kimi_k3_serve.inputs import MAX_DEPTH, load_yaml
+
+    started = time.perf_counter()
+    for text, words in HOSTILE_FILES.values():
+        with pytest.raises(ConfigError, match=words):
+            load_yaml(text, "config", "<test>")
+    assert time.perf_counter() - started < HOSTILE_INPUT_SECONDS
+    # the bounds refuse nothing real: the deepest allowed nesting, and aliases that expand to a modest size
+    assert load_yaml("[" * MAX_DEPTH + "]" * MAX_DEPTH, "config", "<test>") is not None
+    assert load_yaml("a: &a [1, 2]\nb: [*a, *a, *a]\n", "config", "<test>")["b"] == [[1, 2]] * 3
+
+
+@pytest.mark.parametrize("role", ["config", "cluster"])
+def test_a_fifo_is_refused_not_waited_on(role, tmp_path):
+    fifo = tmp_path / "input-a.yaml"
+    os.mkfifo(fifo)
+    config, cluster = (fifo, GOOD_CLUSTERS["simple"]) if role == "config" else (GOOD_CONFIG, fifo)
+    code, out, err, seconds = run_cli_process(["check", "--config", str(config), "--cluster", str(cluster)], tmp_path)
+    assert_one_line_in_time(code, out, err, seconds, role, paths=[str(fifo)])
+    assert "not a FIFO" in err
+
+
+def test_a_fifo_model_config_is_refused(tmp_path):
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    os.mkfifo(folder / "config.json")
+    code, out, err, seconds = run_cli_process(["plan", "--model", str(folder), "--gpu", "H200", "--nodes", "1",
+                                               "--max-model-len", "1024"], tmp_path)
+    assert_one_line_in_time(code, out, err, seconds, "model", paths=[str(folder)])
+
+
+@pytest.mark.parametrize("content, words", [
+    (bytes(range(256)) * 4, "UTF-8"),
+    ("[" * 100_000 + "]" * 100_000, "nested less deeply"),
+], ids=["binary", "deep-json"])
+def test_unreadable_model_config_is_one_line(content, words, tmp_path):
+    model = tmp_path / "checkpoint" / "config.json"
+    model.parent.mkdir()
+    model.write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, out, err, seconds = run_cli_process(["plan", "--model", str(model.parent), "--gpu", "H200", "--nodes", "1",
+                                               "--max-model-len", "1024"], tmp_path)
+    assert_one_line_in_time(code, out, err, seconds, "model", paths=[str(model), str(model.parent)])
+    assert words in err
+
+
+def _kimi_k3_config() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("kimi_k3_serve.models").joinpath("data", "kimi-k3.json").read_text())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("text_config.num_attention_heads", 0),
+    ("text_config.linear_attn_config.num_heads", 0),
+    ("text_config.linear_attn_config.head_dim", 0),
+    ("text_config.moe_layer_freq", 0),
+    ("text_config.num_hidden_layers", 10**12),
+    ("text_config.linear_attn_config.kda_layers", 5),
+])
+def test_zero_or_absurd_model_sizes_are_bad_input(field, value, tmp_path, capsys):
+    config = _kimi_k3_config()
+    node = config
+    *parents, last = field.split(".")
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    path = tmp_path / "checkpoint" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    started = time.perf_counter()
+    code, out, err = run_cli(["memory", "--model", str(path), "--gpu", "H200", "--tp", "8", "--pp", "2",
+                              "--max-model-len", "8192"], capsys)
+    assert time.perf_counter() - started < HOSTILE_INPUT_SECONDS
+    expected = "model" if field.endswith("kda_layers") else field
+    assert_clear_bad_input(code, out, err, expected, paths=[str(path)])
+
+
+# --- values that used to be planned as a shortfall, hang, or fail after the work: bad input, up front -------------
+
+
+@pytest.mark.parametrize("argv, field, words", [
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "1000000000", "--max-model-len", "8192"], "--nodes", "4,096"),
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--gpus-per-node", "100000",
+      "--max-model-len", "8192"], "--gpus-per-node", "72"),
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--min", "--max-nodes", "100000000", "--max-model-len", "8192"],
+     "--max-nodes", "4,096"),
+    (["memory", "--gpu", "H200", "--tp", "1000000000", "--max-model-len", "8192"], "--tp", "64"),
+    (["memory", "--gpu", "H200", "--tp", "8", "--pp", "100000", "--max-model-len", "8192"], "--pp", "1,024"),
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--max-model-len", "100000000000"],
+     "--max-model-len", "1,048,576"),
+    (["memory", "--gpu", "H200", "--tp", "8", "--pp", "2", "--max-model-len", "1048577"], "--max-model-len", "1,048,576"),
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--max-model-len", "8192", "--speculative-method",
+      "dspark", "--draft", "kimi-k3-dspark", "--num-speculative-tokens", "100000000"], "--num-speculative-tokens", "64"),
+    (["memory", "--gpu", "H200", "--tp", "8", "--pp", "2", "--max-model-len", "8192", "--speculative-config",
+      '{"method": "dspark", "num_speculative_tokens": 100000000}'], "--speculative-config.num_speculative_tokens", "64"),
+    # 3 divides the 96 heads; vLLM refuses it because it does not divide the padded vocabulary (163,840)
+    (["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--tp", "3", "--max-model-len", "8192"],
+     "--tp", "3 does not divide vocab_size (padded to a multiple of 64) = 163,840"),
+    (["memory", "--gpu", "H200", "--tp", "3", "--max-model-len", "8192"], "--tp", "3 does not divide vocab_size"),
+], ids=["nodes-1e9", "gpus-per-node-huge", "max-nodes-huge", "memory-tp-1e9", "memory-pp-huge", "plan-length-beyond-positions",
+        "memory-length-one-beyond", "plan-speculative-tokens-absurd", "memory-speculative-tokens-absurd", "plan-tp-3-real-reason",
+        "memory-tp-3-real-reason"])
+def test_counts_and_lengths_are_bounded(argv, field, words, capsys):
+    started = time.perf_counter()
+    code, out, err = run_cli(argv, capsys)
+    assert time.perf_counter() - started < HOSTILE_INPUT_SECONDS
+    assert_clear_bad_input(code, out, err, field)
+    assert words in err
+    assert err.startswith(f"error: {field}: got ")
+
+
+def test_a_deploy_config_longer_than_the_model_is_bad_input(tmp_path, capsys):
+    case = Case("length-beyond-positions", "args.limits.max_model_len", _set("limits.max_model_len", 2_000_000))
+    config = _write_config(case, tmp_path)
+    code, out, err = run_cli(["check", "--config", str(config), "--cluster", str(GOOD_CLUSTERS["simple"])], capsys)
+    assert_clear_bad_input(code, out, err, "args.limits.max_model_len", paths=[str(config)])
+    assert "1,048,576" in err
+
+
+@pytest.mark.parametrize("plot, words", [
+    ("no-such-folder/fit.png", "existing folder"),
+    ("fit.xyz", "ending in .png"),
+    (".", "ending in .png"),  # a folder: the plot used to be written beside it, as ..png
+])
+def test_plot_path_is_checked_before_the_check_runs(plot, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["check", "--config", str(GOOD_CONFIG), "--cluster", str(GOOD_CLUSTERS["simple"]),
+                              "--plot", plot], capsys)
+    assert_clear_bad_input(code, out, err, "--plot", paths=[str(GOOD_CONFIG), str(GOOD_CLUSTERS["simple"])])
+    assert words in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_work_dir_that_is_a_file_is_bad_input(tmp_path, capsys):
+    a_file = tmp_path / "input-a"
+    a_file.write_text("")
+    for work_dir in (a_file, a_file / "below"):
+        code, out, err = run_cli(["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", "--work-dir", str(work_dir)],
+                                 capsys)
+        assert_clear_bad_input(code, out, err, "--work-dir", paths=[str(work_dir)])
+
+
+@pytest.mark.parametrize("extra, code_expected", [([], 0), (["--tp", "3"], 2)], ids=["dry-run", "bad-input"])
+def test_rehearse_leaves_no_temp_folder(extra, code_expected, tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the rehearsal's folder
+    code, out, err = run_cli(["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", *extra], capsys)
+    assert code == code_expected, err
+    assert "kimi-k3-rehearse-" in out or code_expected == 2  # the dry run did use a temp folder
+    assert list(tmp_path.glob("kimi-k3-rehearse-*")) == []

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -74,12 +75,22 @@ def _replica_actor_pid(app: str, excluding: int | None = None) -> int | None:
 @dataclass
 class Stream:
     started: threading.Event = field(default_factory=threading.Event)
+    """Set on the first token, or when the stream ended without one (``produced_a_token`` says which)."""
+    produced_a_token: bool = False
     outcome: str = ""
     ended_at: float | None = None
+    unexpected: BaseException | None = None
+    """An exception a cut stream does not raise: a bug in the test or the client, never a fault's effect."""
+
+
+STREAM_CUT_ERRORS = (openai.APIError, httpx.HTTPError)
+"""What a stream cut by a fault raises: the server's error status, or the connection or body cut short (openai wraps
+most of httpx's, but a body cut mid-stream surfaces as httpx's own RemoteProtocolError/ReadError)."""
 
 
 def _stream(client: openai.OpenAI, record: Stream) -> None:
-    """A long streamed request; records how it ended (``finished:<reason>``, ``cut`` or ``error:<type>``)."""
+    """A long streamed request; records how it ended (``finished:<reason>``, ``cut`` or ``error:<type>``), and any
+    other exception as ``unexpected`` for ``_assert_streams_ended`` to fail on."""
     finish = None
     try:
         response = client.chat.completions.create(
@@ -88,15 +99,30 @@ def _stream(client: openai.OpenAI, record: Stream) -> None:
         )
         for chunk in response:
             if chunk.choices and chunk.choices[0].delta.content:
+                record.produced_a_token = True
                 record.started.set()
             if chunk.choices and chunk.choices[0].finish_reason:
                 finish = chunk.choices[0].finish_reason
         record.outcome = f"finished:{finish}" if finish else "cut"
-    except Exception as exc:
+    except STREAM_CUT_ERRORS as exc:
         record.outcome = f"error:{type(exc).__name__}"
+    except Exception as exc:
+        record.outcome, record.unexpected = f"unexpected:{type(exc).__name__}", exc
     finally:
         record.ended_at = time.perf_counter()
         record.started.set()
+
+
+def test_stream_helper_tells_a_cut_stream_from_a_bug():
+    """No Ray needed: a refused connection is a cut stream; a client that is not one is a bug, and fails the check."""
+    refused = Stream()
+    _stream(openai.OpenAI(base_url=f"http://{LOOPBACK}:{free_port()}/v1", api_key="x", max_retries=0), refused)
+    assert refused.outcome == "error:APIConnectionError" and refused.unexpected is None and not refused.produced_a_token
+    broken = Stream()
+    _stream(object(), broken)  # type: ignore[arg-type]  # AttributeError: what a changed client API would raise
+    assert broken.outcome == "unexpected:AttributeError"
+    with pytest.raises(AssertionError, match="what a cut stream does not"):
+        _assert_streams_ended([refused, broken], [], time.perf_counter(), "a test of the helper")
 
 
 def _start_streams(client: openai.OpenAI, count: int) -> tuple[list[Stream], list[threading.Thread]]:
@@ -106,6 +132,7 @@ def _start_streams(client: openai.OpenAI, count: int) -> tuple[list[Stream], lis
         thread.start()
     for record in records:
         assert record.started.wait(180), "a stream never produced a token"
+        assert record.produced_a_token, f"a stream ended before its first token: {record.outcome}"
     return records, threads
 
 
@@ -130,6 +157,8 @@ def _assert_streams_ended(records: list[Stream], threads: list[threading.Thread]
     for thread in threads:
         thread.join(timeout=max(0.0, since + STREAM_END_BOUND_S - time.perf_counter()))
     assert not any(t.is_alive() for t in threads), f"a stream still hangs {STREAM_END_BOUND_S:.0f} s after {what}"
+    unexpected = [r.unexpected for r in records if r.unexpected is not None]
+    assert not unexpected, f"a stream raised what a cut stream does not: {unexpected[0]!r}"
     ends = [r.ended_at - since for r in records]
     print(f"\n[{what}: in-flight streams ended {', '.join(f'{e:.1f} s' for e in ends)} after; "
           f"outcomes {[r.outcome for r in records]}]")

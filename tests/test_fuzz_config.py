@@ -8,6 +8,7 @@ Two kinds of input: arbitrary YAML-like data, and a good document with one part 
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,11 @@ GOOD_CLUSTERS = [
     )
 ]
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Deterministic and bounded for CI: the same examples every run (derandomize), a fixed number of them, and the 2 s
+# a bad input may take to be refused as the deadline of each.
+FUZZ = settings(max_examples=300, deadline=2000, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+FILE_FUZZ = settings(FUZZ, max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 scalars = st.one_of(
     st.none(),
@@ -131,7 +136,7 @@ def test_cluster_reader_on_mutated_good_files(data):
     _only_config_errors(lambda: parse_cluster_document(data, source="fuzz").at_capacity())
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@FILE_FUZZ
 @given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
 def test_file_readers_on_arbitrary_bytes(tmp_path, content):
     path = tmp_path / "fuzz.yaml"
@@ -140,12 +145,43 @@ def test_file_readers_on_arbitrary_bytes(tmp_path, content):
     _only_config_errors(lambda: load_serve_app(path))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(FILE_FUZZ, max_examples=100)
 @given(mutated([yaml.safe_load((REPO_ROOT / "deploy" / "config.yaml").read_text())]))
 def test_serve_config_reader_on_mutated_deploy_file(tmp_path, document):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(document))
     _only_config_errors(lambda: load_serve_app(path))
+
+
+MODEL_CONFIGS = [json.loads(path.read_text()) for path in sorted((REPO_ROOT / "kimi_k3_serve" / "models" / "data").glob("*.json"))
+                 + sorted((REPO_ROOT / "tests" / "fixtures" / "configs").glob("*.json"))]
+sizes = st.one_of(st.integers(min_value=-2, max_value=4), st.sampled_from([96, 2**31, 10**12, 2**70]), st.none(),
+                  st.floats(allow_nan=True), st.text(max_size=4), st.lists(st.integers(), max_size=3))
+
+
+@st.composite
+def mutated_model_config(draw) -> Any:
+    """A shipped or fixture config.json with one field replaced: sizes (zero heads, 10^12 layers) or any value."""
+    return _replace(*_pick_path(draw, draw(st.sampled_from(MODEL_CONFIGS))), draw(sizes | yaml_values))
+
+
+def _pick_path(draw, document: Any) -> tuple[Any, tuple]:
+    return document, draw(st.sampled_from(_paths(document)[1:]))
+
+
+@FUZZ
+@given(mutated_model_config())
+def test_model_config_reader_on_mutated_configs(config):
+    """Each example builds the inventory and estimates one layout: what ``memory`` and ``plan`` do with a config.json."""
+    from kimi_k3_serve.models import inventory_from_config
+    from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice
+    from kimi_k3_serve.planning.memory import estimate_memory
+
+    def build_and_estimate():
+        model = inventory_from_config(config, name="fuzz", source="fuzz")
+        estimate_memory(model, Layout(tp=1), EngineSettings(max_model_len=4096), RankDevice(150 * 2**30))
+
+    _only_config_errors(build_and_estimate)
 
 
 def test_fuzz_throughput_is_printed():

@@ -267,7 +267,7 @@ def test_bad_model_source_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model: got 'no-such-model'"):
         load_model("no-such-model")
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(ConfigError, match="expected valid JSON"):
         load_model(tmp_path)
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -81,3 +82,66 @@ def test_curl_example_names_the_model():
     payload = example.split("-d '", 1)[1].rstrip("'")
     assert json.loads(payload)["model"] == "tiny-llama"
     assert example.startswith("  curl http://127.0.0.1:8000/v1/chat/completions ")
+
+
+# --- one line per client error; health probes that say what is true ------------------------------------------------
+
+
+def _request_error_record(exc: Exception, status: int) -> logging.LogRecord:
+    """The record Ray Serve LLM 2.60 makes for a failed request (server_utils._FatalEngineErrorLogHandler.log)."""
+    from kimi_k3_serve.serving.console import CLIENT_ERROR_LOGGER
+
+    logger = logging.getLogger(CLIENT_ERROR_LOGGER)
+    try:
+        raise exc
+    except Exception:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "Encountered failure while handling request %s",
+                                 ("req-1",), sys.exc_info(), extra={"ray_serve_extra_fields": {"status_code": status}})
+
+
+def test_a_client_error_is_one_line_with_status_route_and_reason():
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    from kimi_k3_serve.serving.console import ClientErrorLine, TEXT_FORMAT, install_client_error_lines
+
+    install_client_error_lines()
+    assert not install_client_error_lines()  # once
+    record = _request_error_record(OpenAIHTTPException(status_code=404, message="model 'nope' is not served",
+                                                       type="NotFoundError"), 404)
+    assert ClientErrorLine().filter(record)
+    line = logging.Formatter(TEXT_FORMAT).format(record)
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert line.endswith("client error: 404 ?: model 'nope' is not served"), line  # ?: outside a Serve request
+
+
+def test_a_client_error_from_the_llm_replica_keeps_only_its_last_line():
+    from kimi_k3_serve.serving.console import ClientErrorLine, TEXT_FORMAT
+
+    remote = ValueError("ray::LLMServer.chat() (pid=1)\n  File \"x.py\", line 1, in chat\n    raise\n"
+                        "ValueError: This model's maximum context length is 1024 tokens")
+    record = _request_error_record(remote, 400)
+    ClientErrorLine().filter(record)
+    line = logging.Formatter(TEXT_FORMAT).format(record)
+    assert line.endswith("client error: 400 ?: ValueError: This model's maximum context length is 1024 tokens"), line
+
+
+def test_a_server_error_keeps_its_traceback():
+    from kimi_k3_serve.serving.console import ClientErrorLine, TEXT_FORMAT
+
+    record = _request_error_record(RuntimeError("engine died"), 500)
+    ClientErrorLine().filter(record)
+    assert "Traceback" in logging.Formatter(TEXT_FORMAT).format(record)
+
+
+def test_only_the_failure_serve_restarts_on_says_it_will():
+    from kimi_k3_serve.serving.health import UNHEALTHY_THRESHOLD, slow_probe_message
+
+    first = slow_probe_message(1, 12.4, 10.0)
+    assert first.startswith("health: the vLLM engine has been busy for 12 s (no answer to a no-op request within 10.0 s)")
+    assert "1 of 3 in a row" in first and "hung" not in first and "Serve restarts the replica" in first
+    for failures in range(1, UNHEALTHY_THRESHOLD):
+        assert "hung" not in slow_probe_message(failures, 5, 10.0) and ": Serve restarts" not in slow_probe_message(failures, 5, 10.0)
+    last = slow_probe_message(UNHEALTHY_THRESHOLD, 35, 10.0)
+    assert "it is hung" in last and last.endswith(f"failure {UNHEALTHY_THRESHOLD} in a row: Serve restarts the replica")
+    startup = slow_probe_message(0, 11, 10.0, startup=True)
+    assert "hung" not in startup and "restart" not in startup and "not counted as a failure" in startup

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.inputs import load_yaml, read_text_file
 from kimi_k3_serve.planning.hardware import GpuSpec, INSTANCE_TYPES, find_gpu_by_device_name, gpu_names, lookup_gpu, lookup_instance
 from kimi_k3_serve.planning.inventory import ClusterInventory, NodeInfo, NodeTypeCapacity, _declared_nodes
 
@@ -28,20 +29,8 @@ _UNBOUNDED = 2**31 - 1  # "no limit" for the launcher's global max_workers
 def load_cluster_file(path: str) -> ClusterInventory:
     """Read a cluster file; the format is recognised from its keys. Every problem is a ConfigError naming the
     field (``available_node_types.gpu_workers.resources.GPU``)."""
-    import yaml  # an edge: the pure core never parses files
-
-    try:
-        with open(path, encoding="utf-8") as handle:
-            documents = [d for d in yaml.safe_load_all(handle) if d is not None]
-    except OSError as exc:
-        raise ConfigError("cluster", path, f"a readable cluster file ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError("cluster", path, f"a UTF-8 text file (byte {exc.start} is not UTF-8)") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError("cluster", path, f"valid YAML or JSON (not{where}: {problem})") from None
+    text = read_text_file(path, "cluster", what="a cluster file (YAML or JSON)")
+    documents = load_yaml(text, "cluster", path, all_documents=True)
     return parse_cluster_document(ray_document(documents, source=path), source=path)
 
 

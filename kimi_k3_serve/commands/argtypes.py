@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+# The bounds on counts, shared with the deploy config's schema: far above any real deployment.
+from kimi_k3_serve.planning.layout import MAX_BATCHED_TOKENS, MAX_DP, MAX_NUM_SEQS, MAX_PP, MAX_TP
+
+MAX_LAYERS = MAX_PP
+
 
 def positive_int(text: str) -> int:
     """An integer >= 1; ``_`` and ``,`` may group digits (``32_768``, ``1,048,576``)."""
     try:
         value = int(text.replace("_", "").replace(",", ""))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive integer") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    """An integer >= 0, such as a pipeline stage's index."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a positive integer")
     return value
 
 
@@ -32,7 +26,39 @@ def fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number in (0, 1]") from None
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number in (0, 1]")
     return value
+
+
+def int_from(low: int, high: int):
+    """An argparse type: an integer from ``low`` to ``high`` (``_`` and ``,`` may group digits). Counts are bounded
+    so that a typo (``--nodes 1000000000``) is refused at once rather than building that many nodes."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace("_", "").replace(",", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer from {low:,} to {high:,}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer from {low:,} to {high:,}")
+        return value
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse
+
+
+def png_path(text: str) -> str:
+    """A PNG file to write: a name ending in .png (the plot is always a PNG) in a folder that exists and can be
+    written, checked before any work so that a bad name is not found after the check has run."""
+    import os
+
+    if not text.lower().endswith(".png") or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a file name ending in .png")
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a .png file in an existing folder ({folder} is not one)")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a .png file in a folder we may write ({folder} is not)")
+    return text

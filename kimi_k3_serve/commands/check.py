@@ -20,6 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from kimi_k3_serve.commands.argtypes import png_path
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--cluster", help="cluster file: Ray cluster launcher YAML, KubeRay RayCluster/RayService, or "
                                          "{nodes: [{count, gpu, gpus, free_bytes?, max_count?}]} (declared check)")
     parser.add_argument("--json", action="store_true", help="print the verdict and per-GPU numbers as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw the per-GPU memory as stacked bars")
+    parser.add_argument("--plot", metavar="FILE.png", type=png_path, help="draw the per-GPU memory as stacked bars")
 
 
 def serve_llm_bundles(args: ServeArgs) -> tuple[list[dict[str, float]], str]:

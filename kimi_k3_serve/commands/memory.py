@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from kimi_k3_serve.commands.argtypes import fraction, positive_int
+from kimi_k3_serve.commands.argtypes import MAX_BATCHED_TOKENS, MAX_DP, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction, int_from, positive_int
 from kimi_k3_serve.commands.lengths import given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import gpu_names, lookup_gpu
@@ -29,9 +29,9 @@ def _partition(text: str) -> tuple[int, ...]:
     try:
         parts = tuple(int(p) for p in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts such as 47,46, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated layer counts such as 47,46") from None
     if not parts or any(p < 1 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive layer counts, got {text!r}")
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated positive layer counts")
     return parts
 
 
@@ -40,7 +40,7 @@ def _capability(text: str) -> tuple[int, int]:
         major, minor = text.split(".")
         return int(major), int(minor)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR such as 9.0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected MAJOR.MINOR such as 9.0") from None
 
 
 EXAMPLES = """\
@@ -63,16 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--gpu-bytes", type=positive_int, help="usable bytes per GPU (torch total_memory)")
     parser.add_argument("--compute-capability", type=_capability, default=None,
                         help="with --gpu-bytes: the GPU's compute capability (default 9.0)")
-    parser.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size")
-    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel size")
+    parser.add_argument("--tp", type=int_from(1, MAX_TP), default=1, help="tensor parallel size")
+    parser.add_argument("--pp", type=int_from(1, MAX_LAYERS), default=1, help="pipeline parallel size")
     parser.add_argument("--ep", action=argparse.BooleanOptionalAction, default=False, help="enable expert parallelism")
-    parser.add_argument("--dp", type=positive_int, default=1, help="data parallel size")
-    parser.add_argument("--dcp", type=positive_int, default=1, help="decode context parallel size")
+    parser.add_argument("--dp", type=int_from(1, MAX_DP), default=1, help="data parallel size")
+    parser.add_argument("--dcp", type=int_from(1, MAX_TP), default=1, help="decode context parallel size")
     parser.add_argument("--layer-partition", type=_partition, default=None, help="layers per PP stage, e.g. 47,46")
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt plus output, in tokens (default: the model config's max_position_embeddings, "
                              "capped at the longest that fits this layout)")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="default: vLLM 0.32's for the GPU")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="default: vLLM 0.32's for the GPU")
+    parser.add_argument("--max-num-seqs", type=int_from(1, MAX_NUM_SEQS), default=None, help="default: vLLM 0.32's for the GPU")
+    parser.add_argument("--max-num-batched-tokens", type=int_from(1, MAX_BATCHED_TOKENS), default=None, help="default: vLLM 0.32's for the GPU")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--mamba-ssm-cache-dtype", choices=MAMBA_SSM_CACHE_DTYPES, default="auto")
     parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.92)
@@ -154,7 +154,14 @@ def _run(args: argparse.Namespace) -> int:
         device = RankDevice(args.gpu_bytes, args.compute_capability or (9, 0), name="")
         gpu_label = f"{fmt_gib(args.gpu_bytes)} GPU"
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, dcp=args.dcp, layer_partition=args.layer_partition)
+    from kimi_k3_serve.planning.planner import tp_refusal, validate_length
+
+    refusal = tp_refusal(model, args.tp)
+    if refusal:
+        raise ConfigError("layout.tp", args.tp, f"expected a size vLLM accepts for {model.name}: {refusal}")
+
     max_len = args.max_model_len or model_config_length(model)
+    validate_length(model, max_len)
     engine = EngineSettings(
         max_model_len=max_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -17,11 +17,12 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from kimi_k3_serve.commands.argtypes import positive_int
+from kimi_k3_serve.commands.argtypes import MAX_BATCHED_TOKENS, MAX_DP, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction, int_from, positive_int
 from kimi_k3_serve.commands.lengths import LengthChoice, given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
-from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, SPECULATIVE_METHODS, EngineSettings, SpeculativeSettings
+from kimi_k3_serve.planning.inventory import MAX_DECLARED_GPUS_PER_NODE, MAX_DECLARED_NODES
+from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, EngineSettings, SpeculativeSettings
 from kimi_k3_serve.units import fmt_gib
 from kimi_k3_serve.planning.planner import OBJECTIVES
 
@@ -44,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="'kimi-k3', a config.json, or a checkpoint folder")
     where = parser.add_argument_group("cluster (one of)")
     where.add_argument("--gpu", help="GPU name from the catalogue, e.g. H200, B200, GB300 (with --nodes)")
-    where.add_argument("--nodes", type=int, help="number of identical nodes (with --gpu)")
-    where.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the catalogue's, e.g. 8; 4 on NVL72 trays)")
+    where.add_argument("--nodes", type=int_from(1, MAX_DECLARED_NODES), help="number of identical nodes (with --gpu)")
+    where.add_argument("--gpus-per-node", type=int_from(1, MAX_DECLARED_GPUS_PER_NODE), help="GPUs per node (default: the catalogue's, e.g. 8; 4 on NVL72 trays)")
     where.add_argument("--cluster", help="cluster file: Ray cluster launcher YAML, KubeRay RayCluster/RayService, "
                                          "or {nodes: [{count, gpu, gpus, free_bytes?}]}")
     where.add_argument("--as-is", action="store_true",
@@ -54,9 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--max-model-len", type=positive_int,
                         help="longest prompt plus output, in tokens (default: the model config's, capped at the "
                              "longest that fits the cluster)")
-    target.add_argument("--max-num-seqs", type=int, help="sequences one engine runs at once (default: vLLM's)")
-    target.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step (default: vLLM's)")
-    target.add_argument("--gpu-memory-utilization", type=float, default=0.92, help="share of each GPU vLLM may use")
+    target.add_argument("--max-num-seqs", type=int_from(1, MAX_NUM_SEQS), help="sequences one engine runs at once (default: vLLM's)")
+    target.add_argument("--max-num-batched-tokens", type=int_from(1, MAX_BATCHED_TOKENS), help="tokens per engine step (default: vLLM's)")
+    target.add_argument("--gpu-memory-utilization", type=fraction, default=0.92, help="share of each GPU vLLM may use")
     target.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     target.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES)
     target.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
@@ -65,19 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=SPECULATIVE_METHODS)
     spec.add_argument("--draft", help="the draft's config.json or folder")
-    spec.add_argument("--num-speculative-tokens", type=int, default=3)
-    spec.add_argument("--draft-tp", type=int, help="draft tensor parallel size: 1 or the target's TP (default)")
+    spec.add_argument("--num-speculative-tokens", type=int_from(1, MAX_SPECULATIVE_TOKENS), default=3)
+    spec.add_argument("--draft-tp", type=int_from(1, MAX_TP), help="draft tensor parallel size: 1 or the target's TP (default)")
     pins = parser.add_argument_group("pinned choices (left to the search when absent)")
-    pins.add_argument("--tp", type=int)
-    pins.add_argument("--pp", type=int)
+    pins.add_argument("--tp", type=int_from(1, MAX_TP))
+    pins.add_argument("--pp", type=int_from(1, MAX_LAYERS))
     pins.add_argument("--ep", action=argparse.BooleanOptionalAction, default=None, help="expert parallelism")
-    pins.add_argument("--dp", type=int)
+    pins.add_argument("--dp", type=int_from(1, MAX_DP))
     pins.add_argument("--layer-partition", help="layers per PP stage, e.g. 31,30 (VLLM_PP_LAYER_PARTITION)")
     parser.add_argument("--objective", default="fewest-nodes", choices=OBJECTIVES,
                         help="how to rank layouts that fit (default: fewest nodes, then most concurrency)")
     parser.add_argument("--min", action="store_true", dest="smallest",
                         help="what-if: the smallest cluster of --gpu nodes that fits, and the best layout on it")
-    parser.add_argument("--max-nodes", type=int, default=MAX_WHAT_IF_NODES,
+    parser.add_argument("--max-nodes", type=int_from(1, MAX_DECLARED_NODES), default=MAX_WHAT_IF_NODES,
                         help=f"largest cluster --min and the what-if search try (default {MAX_WHAT_IF_NODES} nodes)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -129,13 +130,30 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
     )
 
 
+_FLAG_OF_PIN = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "ep": "--ep", "layer_partition": "--layer-partition",
+                "gpus_per_node": "--gpus-per-node"}
+
+
 def run(args: argparse.Namespace) -> int:
+    """Name the command-line flag in an error about a pin that came from one (the planner names its pins)."""
+    try:
+        return _run(args)
+    except ConfigError as exc:
+        flag = _FLAG_OF_PIN.get(exc.field)
+        if flag is None:
+            raise
+        raise type(exc)(flag, exc.value, exc.allowed, source=exc.source) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     from kimi_k3_serve.models import load_model
-    from kimi_k3_serve.planning.planner import NoLayoutFitsError, Pins, plan
+    from kimi_k3_serve.planning.planner import NoLayoutFitsError, Pins, plan, validate_length
 
     if args.gpu is not None:
         lookup_gpu(args.gpu, field="--gpu")  # an unknown name: one line listing the catalogue
     model = load_model(args.model)
+    if args.max_model_len:
+        validate_length(model, args.max_model_len, field="--max-model-len")
     engine = _engine(args)
     pins = Pins(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, layer_partition=_partition(args.layer_partition))
     if args.max_nodes < 1:

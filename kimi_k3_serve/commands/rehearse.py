@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kimi_k3_serve.commands.argtypes import fraction, nonnegative_int, positive_int
+from kimi_k3_serve.commands.argtypes import MAX_DP, MAX_LAYERS, MAX_PP, MAX_TP, fraction, int_from, positive_int
 from kimi_k3_serve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a Serve deploy config whose application is kimi_k3_serve.app:build_app")
     parser.add_argument("--app", default=None, help="the application's name in --config (default: the only one)")
     parser.add_argument("--model", default=None, help="without --config: kimi-k3, a config.json or a checkpoint folder")
-    parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (overrides --config)")
-    parser.add_argument("--pp", type=positive_int, default=None, help="pipeline parallel size (overrides --config)")
-    parser.add_argument("--dp", type=positive_int, default=None,
+    parser.add_argument("--tp", type=int_from(1, MAX_TP), default=None, help="tensor parallel size (overrides --config)")
+    parser.add_argument("--pp", type=int_from(1, MAX_LAYERS), default=None, help="pipeline parallel size (overrides --config)")
+    parser.add_argument("--dp", type=int_from(1, MAX_DP), default=None,
                         help="data parallel size (overrides --config): one engine per DP rank, on TP x PP GPUs each")
     parser.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="split the experts over the TP x DP ranks (overrides --config)")
@@ -63,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSON, e.g. \'{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}\'; '
                              '"none" drops the config\'s draft')
     parser.add_argument("--engine-kwargs", default=None, help="JSON of extra vLLM engine arguments, merged over the config's")
-    parser.add_argument("--layers", type=positive_int, default=None, help="rehearse a Kimi-K3 slice of this many layers")
-    parser.add_argument("--rank-of", type=nonnegative_int, default=None, metavar="STAGE",
+    parser.add_argument("--layers", type=int_from(1, MAX_LAYERS), default=None, help="rehearse a Kimi-K3 slice of this many layers")
+    parser.add_argument("--rank-of", type=int_from(0, MAX_PP - 1), default=None, metavar="STAGE",
                         help="rehearse one TP rank of this pipeline stage (0-based) of the config's layout on one GPU")
     parser.add_argument("--executor", choices=("mp", "ray"), default="mp", help="vLLM's executor (default mp: one host)")
     parser.add_argument("--work-dir", default=None, help="where model configs, the spec and the log go (default: a temp dir)")
@@ -454,6 +455,26 @@ def _marker(text: str, name: str) -> dict[str, Any] | None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    """With ``--work-dir``, the rehearsal's files go there; without, to a temp folder that is removed unless an
+    engine ran (its log and result.json are printed as the place to look)."""
+    if ns.work_dir is not None:
+        work = Path(ns.work_dir)
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--work-dir", ns.work_dir, f"expected a folder that is or can be made ({exc.strerror})") from None
+        return _run(ns, work)
+    work, engine_ran = Path(tempfile.mkdtemp(prefix="kimi-k3-rehearse-")), False
+    try:
+        code = _run(ns, work)
+        engine_ran = not ns.dry_run
+        return code
+    finally:
+        if not engine_ran:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(ns: argparse.Namespace, work: Path) -> int:
     from kimi_k3_serve.config.args_adapter import planner_inputs
     from kimi_k3_serve.planning.memory import resolved_batch
     from kimi_k3_serve.rehearsal.compare import compare, measured_verdict, render_table
@@ -465,8 +486,6 @@ def run(ns: argparse.Namespace) -> int:
     args = serve_args_of(ns)
     if ns.rank_of is not None and ns.layers is not None:
         raise ConfigError("--layers", ns.layers, "no --layers with --rank-of: the rank slice has its stage's depth")
-    work = Path(ns.work_dir or tempfile.mkdtemp(prefix="kimi-k3-rehearse-"))
-    work.mkdir(parents=True, exist_ok=True)
     real_args = rank = None
     if ns.rank_of is not None:
         real_args = args

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.inputs import read_text_file
 from kimi_k3_serve.planning.hardware import lookup_gpu
 from kimi_k3_serve.clusterfiles.render import (
     FORMATS,
@@ -58,7 +59,8 @@ def load_deploy_config(path: str | Path, *, app: str | None = None) -> DeployCon
         raise ConfigError(
             "args.accelerator.type", args.accelerator.type, "a GPU type: cluster files are for GPU deployments", source=str(path)
         )
-    return DeployConfig(Path(path), Path(path).read_text(), serve_app.name, args)
+    text = read_text_file(path, "config", what="a Serve config YAML")  # already read once: cannot be a FIFO or too large
+    return DeployConfig(Path(path), text, serve_app.name, args)
 
 
 def plan_replica(args: ServeArgs, *, gpus_per_node: int):

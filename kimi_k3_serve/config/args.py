@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kimi_k3_serve.config.secrets import NotShown, is_secret_name, refuse_secrets
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
-from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, SPECULATIVE_METHODS
+from kimi_k3_serve.planning.layout import (
+    KV_CACHE_DTYPES, MAX_BATCHED_TOKENS, MAX_DP, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_PP, MAX_SPECULATIVE_TOKENS, MAX_TP, SPECULATIVE_METHODS,
+)
 
 ARGS_ROOT = "args"
 MODEL_CACHE_ENV = "KIMI_K3_SERVE_MODEL_CACHE"
@@ -96,11 +98,11 @@ class AcceleratorArgs(Section):
 
 
 class ParallelArgs(Section):
-    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs (or CPU workers) per pipeline stage.")
-    pipeline_parallel_size: int = Field(default=1, ge=1, description="Pipeline stages per replica.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=MAX_TP, description="GPUs (or CPU workers) per pipeline stage.")
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=MAX_PP, description="Pipeline stages per replica.")
     enable_expert_parallel: bool = Field(default=False, description="Split MoE experts across ranks instead of TP.")
     data_parallel_size: int = Field(
-        default=1, ge=1,
+        default=1, ge=1, le=MAX_DP,
         description="vLLM data-parallel ranks (attention DP; with enable_expert_parallel the experts are split over "
                     "TP x DP ranks). Above 1, Ray Serve LLM's DP builder runs one replica per DP rank, gang-scheduled; "
                     "autoscaling counts DP groups.")
@@ -127,9 +129,9 @@ class ParallelArgs(Section):
 
 
 class LimitsArgs(Section):
-    max_model_len: int = Field(ge=1, description="Longest prompt plus output, in tokens.")
-    max_num_seqs: int = Field(default=256, ge=1, description="Sequences one engine runs at once (vLLM's default 256).")
-    max_num_batched_tokens: int | None = Field(default=None, ge=1, description="Tokens per engine step; None: vLLM's default.")
+    max_model_len: int = Field(ge=1, le=MAX_MODEL_LEN, description="Longest prompt plus output, in tokens.")
+    max_num_seqs: int = Field(default=256, ge=1, le=MAX_NUM_SEQS, description="Sequences one engine runs at once (vLLM's default 256).")
+    max_num_batched_tokens: int | None = Field(default=None, ge=1, le=MAX_BATCHED_TOKENS, description="Tokens per engine step; None: vLLM's default.")
     gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1, description="Share of each GPU's memory vLLM may use.")
     kv_cache_dtype: str = Field(default="auto", description=f"One of {', '.join(KV_CACHE_DTYPES)}.")
     enable_prefix_caching: bool | None = Field(default=None, description="None: vLLM's default for the model.")
@@ -146,16 +148,16 @@ class LimitsArgs(Section):
 class SpeculativeArgs(Section):
     method: Literal["eagle3", "dspark"] = Field(description=f"Draft family: {', '.join(SPECULATIVE_METHODS)}.")
     model: str = Field(min_length=1, description="The draft's weights: local folder, hub id, or `cache:NAME`.")
-    num_speculative_tokens: int = Field(ge=1, description="Tokens the draft proposes per step.")
+    num_speculative_tokens: int = Field(ge=1, le=MAX_SPECULATIVE_TOKENS, description="Tokens the draft proposes per step.")
     draft_tensor_parallel_size: int | None = Field(
-        default=None, ge=1, description="vLLM allows 1 or the target's TP; None: the target's TP."
+        default=None, ge=1, le=MAX_TP, description="vLLM allows 1 or the target's TP; None: the target's TP."
     )
 
 
 class AutoscalingArgs(Section):
-    min_replicas: int = Field(default=1, ge=0, description="Replicas kept even when idle (0 allows scale to zero).")
-    max_replicas: int = Field(default=1, ge=1, description="Most replicas Serve may start.")
-    initial_replicas: int | None = Field(default=None, ge=0, description="Replicas at deploy time; None: min_replicas.")
+    min_replicas: int = Field(default=1, ge=0, le=MAX_DP, description="Replicas kept even when idle (0 allows scale to zero).")
+    max_replicas: int = Field(default=1, ge=1, le=MAX_DP, description="Most replicas Serve may start.")
+    initial_replicas: int | None = Field(default=None, ge=0, le=MAX_DP, description="Replicas at deploy time; None: min_replicas.")
     target_ongoing_requests: float | None = Field(
         default=None,
         gt=0,
@@ -191,12 +193,12 @@ class AutoscalingArgs(Section):
 
 
 class IngressArgs(Section):
-    num_replicas: int = Field(default=1, ge=1, description="OpenAI ingress replicas (they only route, no engine).")
+    num_replicas: int = Field(default=1, ge=1, le=MAX_DP, description="OpenAI ingress replicas (they only route, no engine).")
 
 
 class DeploymentArgs(Section):
     max_ongoing_requests: int | None = Field(
-        default=None, ge=1, description="Requests one replica accepts at once; None: 2 x limits.max_num_seqs."
+        default=None, ge=1, le=MAX_NUM_SEQS, description="Requests one replica accepts at once; None: 2 x limits.max_num_seqs."
     )
     health_check_period_s: float = Field(default=10.0, gt=0, description="Seconds between engine health checks.")
     health_check_timeout_s: float = Field(default=30.0, gt=0, description="Seconds before a health check counts as failed.")

@@ -102,7 +102,7 @@ def deploy_pins(args: ServeArgs, model: ModelInventory):
 def planner_inputs(args: ServeArgs):
     """(model inventory, EngineSettings, Pins) for a validated ``ServeArgs``, sources resolved: the deploy
     config's own layout, pinned, so the check is of exactly what will run."""
-    from kimi_k3_serve.planning.planner import validate_pins
+    from kimi_k3_serve.planning.planner import validate_length, validate_pins
 
     args = with_resolved_sources(args)
     model = model_inventory(args.model.source, field="args.model.source")
@@ -115,7 +115,9 @@ def planner_inputs(args: ServeArgs):
         if field is None:
             raise
         raise ConfigError(field, exc.value, exc.allowed, source=exc.source) from None
-    return model, engine_settings(args, draft=draft), pins
+    engine = engine_settings(args, draft=draft)
+    validate_length(model, engine.max_model_len, field="args.limits.max_model_len")
+    return model, engine, pins
 
 
 def vllm_engine_args_of(args: ServeArgs) -> VllmEngineArgs:

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kimi_k3_serve.config.args import ServeArgs, config_error_from, dotted, load_args
 from kimi_k3_serve.config.secrets import NotShown, refuse_secrets
 from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.inputs import load_yaml, read_text_file
 
 APP_IMPORT_PATH = "kimi_k3_serve.app:build_app"
 
@@ -46,23 +45,9 @@ def read_serve_config(path: str | Path) -> dict[str, Any]:
 
 def _read_and_validate(path: str | Path) -> tuple[dict[str, Any], str]:
     """The file's YAML mapping and what accepted it (``snapshot`` or ``ray``)."""
-    file = Path(path)
-    source = str(file)
-    try:
-        text = file.read_text()
-    except FileNotFoundError:
-        raise ConfigError("config", source, "no such file; expected a Serve config YAML such as deploy/dev.yaml") from None
-    except OSError as exc:
-        raise ConfigError("config", source, f"cannot be read ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError("config", source, f"expected a UTF-8 text file (byte {exc.start} is not UTF-8)") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError("config", source, f"is not valid YAML{where}: {problem}") from None
+    source = str(path)
+    text = read_text_file(path, "config", what="a Serve config YAML such as deploy/dev.yaml")
+    data = load_yaml(text, "config", source)
     if not isinstance(data, dict):
         raise ConfigError("config", type(data).__name__, "expected a mapping with `applications`", source=source)
     refuse_secrets(data, "config", source=source)  # before Ray's schema, whose errors quote their input

@@ -7,12 +7,13 @@ the inventory does not know is an UnsupportedModelError naming it, never a guess
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from kimi_k3_serve.errors import ConfigError, UnsupportedModelError
+from kimi_k3_serve.inputs import load_json, read_text_file
 from kimi_k3_serve.models import drafts, gqa_dense, gqa_moe, kimi_k3, mla_moe
 from kimi_k3_serve.models.inventory import ModelInventory
 
@@ -44,16 +45,14 @@ def read_config(source: str | Path) -> tuple[dict[str, Any], str, str]:
     if not path.is_file():
         raise ConfigError("model", text, f"expected {' or '.join(SHIPPED)}, a config.json path, or a checkpoint folder with config.json")
     name = path.parent.name if path.name == "config.json" else path.stem
-    return _parse(path.read_text(), str(path)), name, str(path)
+    text = read_text_file(path, "model", what="a model config.json")
+    return _parse(text, str(path)), name, str(path)
 
 
 def _parse(raw: str, where: str) -> dict[str, Any]:
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ConfigError("model", where, f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    config = load_json(raw, "model", where)
     if not isinstance(config, dict):
-        raise ConfigError("model", where, "config.json must hold a JSON object")
+        raise ConfigError("model", where, "expected a config.json holding a JSON object")
     return config
 
 
@@ -71,7 +70,32 @@ def architecture_of(config: Mapping[str, Any], *, source: str | None = None) -> 
 
 def inventory_from_config(config: Mapping[str, Any], *, name: str = "model", source: str | None = None) -> ModelInventory:
     arch = architecture_of(config, source=source)
-    return _BUILDERS[arch](config, arch, name=name, source=source)
+    try:
+        inventory = _BUILDERS[arch](config, arch, name=name, source=source)
+        return replace(inventory, max_model_len_limit=_max_model_len_limit(config, inventory.max_position_embeddings))
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:
+        # A list or mapping field of the wrong type (kda_layers: 5) that the builder does not check one by one:
+        # still the config's fault, so one line, not a traceback.
+        raise UnsupportedModelError("model", source or name, f"expected a {arch} config.json with fields of the usual "
+                                    f"types ({type(exc).__name__}: {str(exc)[:100]})") from None
+
+
+# RoPE types whose max_position_embeddings vLLM 0.32 takes as already scaled (config/model.py _get_and_verify_max_len).
+_ROPE_TYPES_NOT_SCALING_THE_LENGTH = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _max_model_len_limit(config: Mapping[str, Any], positions: int) -> int:
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    factor = 1.0
+    if isinstance(rope, Mapping) and "gemma3" not in str(text.get("model_type", "")):
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        given = rope.get("factor")
+        if rope_type not in _ROPE_TYPES_NOT_SCALING_THE_LENGTH and isinstance(given, (int, float)) and given > 0:
+            factor = float(given)
+    return int(positions * factor)
 
 
 def load_model(source: str | Path) -> ModelInventory:

@@ -11,6 +11,12 @@ from kimi_k3_serve.models.inventory import REPLICATED, TP_DIM0, TP_DIM1, VOCAB, 
 from kimi_k3_serve.models.quant import QuantScheme
 
 
+MAX_SIZE = 2**31 - 1
+"""Any size or count in a config.json: far above every real model's, low enough that the byte sums stay exact."""
+MAX_OF_FIELD = {"num_hidden_layers": 1024, "vt_num_hidden_layers": 1024}
+"""Counts the inventory loops over, one tensor list per layer: the largest real models have about 128 layers."""
+
+
 class ConfigReader:
     """Reads fields of one (text) config and names the missing or unsupported one in its error."""
 
@@ -22,13 +28,34 @@ class ConfigReader:
     def field(self, key: str) -> str:
         return f"{self.prefix}{key}"
 
-    def require(self, key: str, kind: type = int) -> Any:
+    def require(self, key: str, kind: type = int, *, minimum: int = 1) -> Any:
+        """A field that must be there; an int one at least ``minimum`` (sizes and counts: a zero one would be
+        divided by, or make a model of no tensors)."""
         value = self.config.get(key)
         if value is None:
             raise UnsupportedModelError(self.field(key), None, f"required by the {self.config.get('model_type', '?')} memory model",
                                         source=self.source)
-        if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise UnsupportedModelError(self.field(key), value, "expected a non-negative integer", source=self.source)
+        if kind is int:
+            return self._checked_int(key, value, minimum)
+        if not isinstance(value, kind):
+            raise UnsupportedModelError(self.field(key), value, f"expected a {kind.__name__}", source=self.source)
+        return value
+
+    def count(self, key: str, default: int, *, minimum: int = 1) -> int:
+        """An optional integer field (``default`` when absent), at least ``minimum``."""
+        value = self.config.get(key)
+        return default if value is None else self._checked_int(key, value, minimum)
+
+    def optional_count(self, key: str, *, minimum: int = 1) -> int | None:
+        """An optional integer field whose absence means something (``q_lora_rank: null``: no q LoRA): None."""
+        value = self.config.get(key)
+        return None if value is None else self._checked_int(key, value, minimum)
+
+    def _checked_int(self, key: str, value: Any, minimum: int) -> int:
+        maximum = MAX_OF_FIELD.get(key, MAX_SIZE)
+        if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+            raise UnsupportedModelError(self.field(key), value, f"expected an integer from {minimum} to {maximum:,}",
+                                        source=self.source)
         return value
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -53,13 +53,13 @@ def _eagle3(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
     q = parse_quantization(config, dtype, source=source)
     hidden = r.require("hidden_size")
     heads = r.require("num_attention_heads")
-    kv_heads = r.get("num_key_value_heads", heads)
-    head_dim = r.get("head_dim") or hidden // heads
+    kv_heads = r.count("num_key_value_heads", heads)
+    head_dim = r.count("head_dim", hidden // heads)
     inter = r.require("intermediate_size")
     vocab = r.require("vocab_size")
-    draft_vocab = r.get("draft_vocab_size") or vocab
-    target_hidden = r.get("target_hidden_size") or hidden
-    num_layers = r.get("num_hidden_layers", 1)
+    draft_vocab = r.count("draft_vocab_size", 0, minimum=0) or vocab
+    target_hidden = r.count("target_hidden_size", 0, minimum=0) or hidden
+    num_layers = r.count("num_hidden_layers", 1)
     layers = []
     for i in range(num_layers):
         prefix = "midlayer" if num_layers == 1 else f"layers.{i}"
@@ -82,7 +82,7 @@ def _eagle3(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
         name=name, architecture="LlamaForCausalLMEagle3", family="eagle3", dtype=dtype, hidden_size=hidden, vocab_size=vocab,
         layers=tuple(layers), embedding=(), head=(),
         widths=ActivationWidths(hidden, inter, heads, head_dim),
-        quantization=q.describe(), max_position_embeddings=r.get("max_position_embeddings", 0),
+        quantization=q.describe(), max_position_embeddings=r.count("max_position_embeddings", 0, minimum=0),
         num_attention_heads=heads, num_kv_heads=kv_heads, draft_extra=tuple(extra),
         draft=DraftInfo("eagle3", shares_target_embedding=True, shares_target_lm_head=False),
         tp_divisors=(("num_attention_heads", heads),), source=source or name,
@@ -135,10 +135,10 @@ def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
     heads = r.require("num_attention_heads")
     inter = r.require("intermediate_size")
     vocab = r.require("vocab_size")
-    q_lora = r.get("q_lora_rank")
+    q_lora = r.optional_count("q_lora_rank")
     if not q_lora:
         r.reject("q_lora_rank", q_lora, "MLA DSpark requires q_lora_rank (vLLM k3_dspark.py)")
-    draft_vocab = r.get("draft_vocab_size") or vocab
+    draft_vocab = r.count("draft_vocab_size", 0, minimum=0) or vocab
     if draft_vocab != vocab:
         r.reject("draft_vocab_size", draft_vocab, f"MLA DSpark shares the target lm_head: must equal vocab_size {vocab}")
     for flag in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm"):
@@ -156,7 +156,7 @@ def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
     for i in range(num_layers):
         tensors = _mla_draft_layer(q, f"layers.{i}", hidden, hidden, heads, q_lora, kv_lora, rope, nope, v_dim, inter)
         layers.append(LayerInventory(i, "mla", "dense", tuple(tensors), MlaKv(kv_lora, rope)))
-    target_hidden = r.get("target_hidden_size") or hidden
+    target_hidden = r.count("target_hidden_size", 0, minimum=0) or hidden
     markov = r.require("markov_rank")
     extra = [
         TensorSpec("context_proj.weight", (hidden, target_hidden * len(target_ids)), dtype, REPLICATED, "draft"),
@@ -171,12 +171,12 @@ def _dspark(config: Mapping[str, Any], *, name: str, source: str | None) -> Mode
         width = hidden + (markov if r.get("confidence_head_with_markov", False) else 0)
         extra += [TensorSpec("confidence_head.weight", (1, width), dtype, REPLICATED, "draft"),
                   TensorSpec("confidence_head.bias", (1,), dtype, REPLICATED, "draft")]
-    block = r.get("block_size")
+    block = r.optional_count("block_size")
     return ModelInventory(
         name=name, architecture="K3DSparkModel", family="dspark", dtype=dtype, hidden_size=hidden, vocab_size=vocab,
         layers=tuple(layers), embedding=(), head=(),
         widths=ActivationWidths(hidden, inter, heads, nope + rope),
-        quantization=q.describe(), max_position_embeddings=r.get("max_position_embeddings", 0),
+        quantization=q.describe(), max_position_embeddings=r.count("max_position_embeddings", 0, minimum=0),
         num_attention_heads=heads, num_kv_heads=heads, draft_extra=tuple(extra),
         draft=DraftInfo("dspark", shares_target_embedding=True, shares_target_lm_head=True,
                         num_speculative_tokens_default=int(block) if block else None, target_layer_ids=target_ids),
@@ -193,7 +193,7 @@ def _eagle3_mla(config: Mapping[str, Any], architecture: str, *, name: str, sour
     heads = r.require("num_attention_heads")
     inter = r.require("intermediate_size")
     vocab = r.require("vocab_size")
-    draft_vocab = r.get("draft_vocab_size") or vocab
+    draft_vocab = r.count("draft_vocab_size", 0, minimum=0) or vocab
     kv_lora = r.require("kv_lora_rank")
     rope = r.require("qk_rope_head_dim")
     nope = r.require("qk_nope_head_dim")
@@ -201,12 +201,12 @@ def _eagle3_mla(config: Mapping[str, Any], architecture: str, *, name: str, sour
     if "q_lora_rank" not in config:
         # vLLM reads config.q_lora_rank, so an absent key takes the config class's default (1536 in DeepseekV3Config).
         r.reject("q_lora_rank", None, "must be given (an integer, or null for a q_proj without a LoRA)")
-    q_lora = r.get("q_lora_rank")
+    q_lora = r.optional_count("q_lora_rank")
     if r.get("hidden_act", "silu") != "silu":
         r.reject("hidden_act", r.get("hidden_act"), "silu (DeepseekV2MLP raises on anything else)")
     if r.get("index_topk") is not None:
         r.reject("index_topk", r.get("index_topk"), "absent: the DeepSeek-V3.2 indexer of an EAGLE3 draft is not modelled")
-    target_hidden = r.get("target_hidden_size") or hidden
+    target_hidden = r.count("target_hidden_size", 0, minimum=0) or hidden
     # DeepseekV2Eagle3Model: num_aux_hidden_states, else len(eagle_config.eagle_aux_hidden_state_layer_ids), else 3.
     aux_ids = (r.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     num_aux = r.get("num_aux_hidden_states") or (len(aux_ids) if aux_ids else 3)
@@ -235,7 +235,7 @@ def _eagle3_mla(config: Mapping[str, Any], architecture: str, *, name: str, sour
         name=name, architecture=architecture, family="eagle3", dtype=dtype, hidden_size=hidden, vocab_size=vocab,
         layers=tuple(layers), embedding=(), head=(),
         widths=ActivationWidths(hidden, inter, heads, nope + rope),
-        quantization=q.describe(), max_position_embeddings=r.get("max_position_embeddings", 0),
+        quantization=q.describe(), max_position_embeddings=r.count("max_position_embeddings", 0, minimum=0),
         num_attention_heads=heads, num_kv_heads=heads, draft_extra=tuple(extra),
         draft=DraftInfo("eagle3", shares_target_embedding=True, shares_target_lm_head=False),
         tp_divisors=(("num_attention_heads", heads), ("intermediate_size", inter)), source=source or name,

@@ -17,8 +17,8 @@ def attention_shape(r: ConfigReader) -> tuple[int, int, int, int]:
     """(hidden, heads, kv_heads, head_dim) with Llama-family defaults."""
     hidden = r.require("hidden_size")
     heads = r.require("num_attention_heads")
-    kv_heads = r.get("num_key_value_heads", heads)
-    head_dim = r.get("head_dim") or hidden // heads
+    kv_heads = r.count("num_key_value_heads", heads)
+    head_dim = r.count("head_dim", hidden // heads)
     return hidden, heads, kv_heads, head_dim
 
 
@@ -64,7 +64,7 @@ def finish(config: Mapping[str, Any], r: ConfigReader, architecture: str, family
         layers=tuple(layers),
         embedding=(embedding("model.embed_tokens", vocab, hidden, dtype),),
         head=(TensorSpec("lm_head.weight", (vocab, hidden), dtype, VOCAB, "lm_head"), norm("model.norm", hidden, dtype)),
-        widths=widths, quantization=quantization, max_position_embeddings=r.get("max_position_embeddings", 0),
+        widths=widths, quantization=quantization, max_position_embeddings=r.count("max_position_embeddings", 0, minimum=0),
         num_attention_heads=widths.num_attention_heads, num_kv_heads=r.get("num_key_value_heads", widths.num_attention_heads),
         tie_word_embeddings=tied, expert_min_intermediate_per_rank=expert_min,
         tp_divisors=(("num_attention_heads", widths.num_attention_heads),), source=source or name,

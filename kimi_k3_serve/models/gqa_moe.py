@@ -26,8 +26,8 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
         dense_inter, sparse_step, mlp_only = 0, 1, set()
     else:
         experts, top_k, moe_inter = r.require("num_experts"), r.require("num_experts_per_tok"), r.require("moe_intermediate_size")
-        dense_inter = r.get("intermediate_size", 0)
-        sparse_step = r.get("decoder_sparse_step", 1)
+        dense_inter = r.count("intermediate_size", 0, minimum=0)
+        sparse_step = r.count("decoder_sparse_step", 1)
         mlp_only = set(r.get("mlp_only_layers", []))
     moe_prefix = "block_sparse_moe" if mixtral else "mlp"
     layers = []

@@ -280,6 +280,9 @@ class ModelInventory:
     builds its own (vLLM's Llama-family PP rule)."""
     source: str = ""
     notes: tuple[str, ...] = ()
+    max_model_len_limit: int = 0
+    """The longest ``max_model_len`` vLLM accepts: ``max_position_embeddings`` times the RoPE factor vLLM applies to
+    it (``_get_and_verify_max_len``); 0 when the config does not say."""
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- whole-model totals ------------------------------------------------------------------------

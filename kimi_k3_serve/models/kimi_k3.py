@@ -61,7 +61,7 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
     vocab = r.require("vocab_size")
     num_layers = r.require("num_hidden_layers")
     heads = r.require("num_attention_heads")
-    if r.get("num_nextn_predict_layers", 0):
+    if r.count("num_nextn_predict_layers", 0, minimum=0):
         r.reject("num_nextn_predict_layers", r.get("num_nextn_predict_layers"), "MTP layers are not modelled; expected 0")
     if r.get("tie_word_embeddings", False):
         r.reject("tie_word_embeddings", True, "Kimi-K3 has untied embeddings; expected false")
@@ -76,17 +76,19 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
     full_layers = {int(i) for i in lac.get("full_attn_layers") or ()}
     if kda_layers & full_layers or len(kda_layers | full_layers) != num_layers:
         r.reject("linear_attn_config.kda_layers", sorted(kda_layers), f"kda_layers and full_attn_layers must partition 1..{num_layers}")
+    lac_reader = ConfigReader(lac, source, prefix=r.field("linear_attn_config."))
     kda = KdaState(
-        num_heads=int(lac["num_heads"]), head_dim=int(lac["head_dim"]), conv_kernel_size=int(lac["short_conv_kernel_size"]),
+        num_heads=lac_reader.require("num_heads"), head_dim=lac_reader.require("head_dim"),
+        conv_kernel_size=lac_reader.require("short_conv_kernel_size"),
         num_k_heads=lac.get("num_k_heads"), head_k_dim=lac.get("head_k_dim"),
     )
     mla = MlaKv(kv_lora_rank=r.require("kv_lora_rank"), qk_rope_head_dim=r.require("qk_rope_head_dim"))
     if not r.get("mla_use_nope", False):
         r.reject("mla_use_nope", r.get("mla_use_nope"), "vLLM's Kimi-K3 MLA is NoPE-only (asserts mla_use_nope)")
 
-    first_dense = r.get("first_k_dense_replace", 0)
-    freq = r.get("moe_layer_freq", 1)
-    num_experts = r.get("num_experts") or 0
+    first_dense = r.count("first_k_dense_replace", 0, minimum=0)
+    freq = r.count("moe_layer_freq", 1)
+    num_experts = r.count("num_experts", 0, minimum=0) or 0
     attn_res = r.get("attn_res_block_size") is not None
 
     layers = []
@@ -117,8 +119,8 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
     if attn_res:
         head += [norm("model.output_attn_res_norm", hidden, dtype),
                  TensorSpec("model.output_attn_res_proj.weight", (1, hidden), dtype, REPLICATED, "norms")]
-    vision = _vision_tensors(config.get("vision_config") or {}, hidden, dtype) if multimodal else []
-    moe_inter = r.get("moe_intermediate_size", 0)
+    vision = _vision_tensors(config.get("vision_config") or {}, hidden, dtype, source) if multimodal else []
+    moe_inter = r.count("moe_intermediate_size", 0, minimum=0)
     return ModelInventory(
         name=name,
         architecture=architecture,
@@ -131,16 +133,16 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
         head=tuple(head),
         widths=ActivationWidths(
             hidden_size=hidden,
-            intermediate_size=max(r.get("intermediate_size", 0), moe_inter * r.get("num_shared_experts", 0)),
+            intermediate_size=max(r.count("intermediate_size", 0, minimum=0), moe_inter * r.count("num_shared_experts", 0, minimum=0)),
             num_attention_heads=heads,
             head_dim=kda.head_dim,
             moe_intermediate_size=moe_inter,
-            moe_hidden_size=r.get("routed_expert_hidden_size") or hidden,
+            moe_hidden_size=r.count("routed_expert_hidden_size", 0, minimum=0) or hidden,
             num_experts=num_experts,
-            experts_per_token=r.get("num_experts_per_token", 0),
+            experts_per_token=r.count("num_experts_per_token", 0, minimum=0),
         ),
         quantization=q.describe(),
-        max_position_embeddings=r.get("max_position_embeddings", 0),
+        max_position_embeddings=r.count("max_position_embeddings", 0, minimum=0),
         num_attention_heads=heads,
         num_kv_heads=r.get("num_key_value_heads", heads),
         vision=tuple(vision),
@@ -172,7 +174,7 @@ def _kda_tensors(q: QuantScheme, prefix: str, hidden: int, kda: KdaState) -> lis
 
 def _mla_tensors(q: QuantScheme, prefix: str, hidden: int, heads: int, r: ConfigReader) -> list[TensorSpec]:
     dtype = q.model_dtype
-    q_lora = r.get("q_lora_rank")
+    q_lora = r.optional_count("q_lora_rank")
     kv_lora = r.require("kv_lora_rank")
     rope = r.require("qk_rope_head_dim")
     nope = r.require("qk_nope_head_dim")
@@ -216,13 +218,13 @@ def _moe_tensors(q: QuantScheme, prefix: str, hidden: int, r: ConfigReader) -> l
     dtype = q.model_dtype
     experts = r.require("num_experts")
     inter = r.require("moe_intermediate_size")
-    latent = r.get("routed_expert_hidden_size")
+    latent = r.optional_count("routed_expert_hidden_size")
     moe_hidden = latent or hidden
     out = [
         TensorSpec(f"{prefix}.gate.weight", (experts, hidden), dtype, REPLICATED, "router_and_latent"),
         TensorSpec(f"{prefix}.gate.e_score_correction_bias", (experts,), "float32", REPLICATED, "router_and_latent"),
     ]
-    shared = r.get("num_shared_experts", 0)
+    shared = r.count("num_shared_experts", 0, minimum=0)
     if shared:
         out += gated_mlp(q, f"{prefix}.shared_experts", hidden, inter * shared, "shared_experts",
                          replicated_under_sp=True, merged=True)
@@ -235,16 +237,21 @@ def _moe_tensors(q: QuantScheme, prefix: str, hidden: int, r: ConfigReader) -> l
     return out
 
 
-def _vision_tensors(v: Mapping[str, Any], text_hidden: int, dtype: str) -> list[TensorSpec]:
+def _vision_tensors(v: Mapping[str, Any], text_hidden: int, dtype: str, source: str | None) -> list[TensorSpec]:
     """MoonViT-3D + patch-merger projector (vLLM kimi_k25_vit.py); replicated (the ViT runs data-parallel)."""
-    hidden = int(v.get("vt_hidden_size", 1024))
-    inter = int(v.get("vt_intermediate_size", 4096))
-    layers = int(v.get("vt_num_hidden_layers", 27))
-    qkv = int(v.get("qkv_hidden_size", 1536))
-    patch = int(v.get("patch_size", 14))
-    ph, pw = int(v.get("init_pos_emb_height", 64)), int(v.get("init_pos_emb_width", 64))
-    mh, mw = tuple(v.get("merge_kernel_size", (2, 2)))
-    merged = hidden * int(mh) * int(mw)
+    r = ConfigReader(v, source, prefix="vision_config.")
+    hidden = r.count("vt_hidden_size", 1024)
+    inter = r.count("vt_intermediate_size", 4096)
+    layers = r.count("vt_num_hidden_layers", 27)
+    qkv = r.count("qkv_hidden_size", 1536)
+    patch = r.count("patch_size", 14)
+    ph, pw = r.count("init_pos_emb_height", 64), r.count("init_pos_emb_width", 64)
+    kernel = r.get("merge_kernel_size", [2, 2])
+    if not (isinstance(kernel, list) and len(kernel) == 2
+            and all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 64 for k in kernel)):
+        r.reject("merge_kernel_size", kernel, "expected two integers from 1 to 64, e.g. [2, 2]")
+    mh, mw = kernel
+    merged = hidden * mh * mw
 
     def t(name: str, *shape: int) -> TensorSpec:
         return TensorSpec(name, tuple(shape), dtype, REPLICATED, "vision")

@@ -34,16 +34,16 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
     hidden = r.require("hidden_size")
     heads = r.require("num_attention_heads")
     num_layers = r.require("num_hidden_layers")
-    q_lora = r.get("q_lora_rank")
+    q_lora = r.optional_count("q_lora_rank")
     kv_lora = r.require("kv_lora_rank")
     rope = r.require("qk_rope_head_dim")
     nope = r.require("qk_nope_head_dim")
     v_dim = r.require("v_head_dim")
-    experts = r.get("n_routed_experts") or 0
-    shared = r.get("n_shared_experts") or 0
-    moe_inter = r.get("moe_intermediate_size", 0)
-    first_dense = r.get("first_k_dense_replace", 0)
-    freq = r.get("moe_layer_freq", 1)
+    experts = r.count("n_routed_experts", 0, minimum=0) or 0
+    shared = r.count("n_shared_experts", 0, minimum=0) or 0
+    moe_inter = r.count("moe_intermediate_size", 0, minimum=0)
+    first_dense = r.count("first_k_dense_replace", 0, minimum=0)
+    freq = r.count("moe_layer_freq", 1)
     noaux = r.get("topk_method") == "noaux_tc"
     layers = []
     for i in range(num_layers):
@@ -73,7 +73,7 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
             t += gated_mlp(q, m, hidden, r.require("intermediate_size"), "dense_mlp")
         t += [norm(f"model.layers.{i}.input_layernorm", hidden, dtype), norm(f"model.layers.{i}.post_attention_layernorm", hidden, dtype)]
         layers.append(LayerInventory(i, "mla", "moe" if is_moe else "dense", tuple(t), MlaKv(kv_lora, rope)))
-    widths = ActivationWidths(hidden, max(r.get("intermediate_size", 0), moe_inter * shared), heads, nope + rope,
+    widths = ActivationWidths(hidden, max(r.count("intermediate_size", 0, minimum=0), moe_inter * shared), heads, nope + rope,
                               moe_intermediate_size=moe_inter, moe_hidden_size=hidden, num_experts=experts,
-                              experts_per_token=r.get("num_experts_per_tok", 0))
+                              experts_per_token=r.count("num_experts_per_tok", 0, minimum=0))
     return finish(config, r, architecture, "mla_moe", dtype, q.describe(), layers, name=name, source=source, widths=widths)

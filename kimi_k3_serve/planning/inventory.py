@@ -289,16 +289,22 @@ def _declared_nodes(
     return nodes
 
 
+MAX_DECLARED_NODES = 4096
+"""Nodes of one declared type, as the cluster files allow (``cluster.files.MAX_NODES_PER_TYPE``)."""
+MAX_DECLARED_GPUS_PER_NODE = 72
+"""An NVL72 rack seen as one node is the largest GPU count per node there is."""
+
+
 def declared_cluster(
     gpu: str, nodes: int, gpus_per_node: int | None = None, *, free_bytes: int | None = None
 ) -> ClusterInventory:
     """``nodes`` identical empty machines of ``gpu`` (catalogue name), e.g. ``declared_cluster("H200", 2)``."""
     spec = lookup_gpu(gpu, field="gpu")
-    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
-        raise ConfigError("nodes", nodes, "expected an integer >= 1")
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= MAX_DECLARED_NODES:
+        raise ConfigError("nodes", nodes, f"expected an integer from 1 to {MAX_DECLARED_NODES}")
     per_node = spec.gpus_per_node if gpus_per_node is None else gpus_per_node
-    if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1:
-        raise ConfigError("gpus_per_node", gpus_per_node, "expected an integer >= 1")
+    if not isinstance(per_node, int) or isinstance(per_node, bool) or not 1 <= per_node <= MAX_DECLARED_GPUS_PER_NODE:
+        raise ConfigError("gpus_per_node", gpus_per_node, f"expected an integer from 1 to {MAX_DECLARED_GPUS_PER_NODE}")
     group = spec.name.lower()
     built = _declared_nodes(group, spec.name, per_node, nodes, free_bytes=free_bytes)
     return ClusterInventory(nodes=tuple(built), source=f"declared:{nodes}x{per_node} {spec.name}")

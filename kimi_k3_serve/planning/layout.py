@@ -16,6 +16,21 @@ LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("eagle3", "dspark")
+# Bounds on the counts a deploy config or the command line gives: far above any real deployment, low enough that
+# nothing built from them (ranks, stages, replicas) takes long or runs out of memory.
+MAX_TP = 64
+"""The largest tensor parallel size the planner searches (``planner.TP_CHOICES``)."""
+MAX_PP = 1024
+"""Pipeline stages cannot outnumber layers; config.json files are refused above 1024 layers."""
+MAX_DP = 4096
+"""Data parallel ranks (and replicas): one per node of the largest declared cluster (4096 nodes)."""
+MAX_NUM_SEQS = 2**20
+MAX_BATCHED_TOKENS = 2**24
+MAX_MODEL_LEN = 2**31 - 1
+"""Above every model's positions; the model's own limit is checked against its config (``planner.validate_length``)."""
+MAX_SPECULATIVE_TOKENS = 64
+"""Tokens a draft may propose per step. Drafts are trained for a handful (DSpark 7, EAGLE3 3); each one adds a
+query token per sequence to every step's batch and CUDA graphs, so thousands are a typo, not a setting."""
 
 
 def _positive(name: str, value: int) -> None:
@@ -102,6 +117,9 @@ class SpeculativeSettings:
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError("speculative.method", self.method, f"expected one of {', '.join(SPECULATIVE_METHODS)}")
         _positive("speculative.num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError("speculative.num_speculative_tokens", self.num_speculative_tokens,
+                              f"expected an integer from 1 to {MAX_SPECULATIVE_TOKENS} (tokens the draft proposes per step)")
 
 
 @dataclass(frozen=True)

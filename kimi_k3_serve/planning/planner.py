@@ -192,26 +192,46 @@ def _lighter_last_stage(num_layers: int, pp: int, shift: int) -> tuple[int, ...]
 # ---------------------------------------------------------------------------------------------------------------
 
 
+VOCAB_PADDING = 64
+"""vLLM's VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE),
+then ``divide`` it among the TP ranks, which asserts that TP divides the padded size."""
+
+
+def tp_refusal(model: ModelInventory, tp: int) -> str | None:
+    """Why vLLM refuses tensor parallel size ``tp`` for the model, or None: a count it divides by TP and asserts
+    on (Kimi-K3: the 96 heads, and the vocabulary padded to a multiple of 64: 163,840, which 3 does not divide),
+    or, for GQA models, KV heads that TP neither divides nor is a multiple of (replicated KV heads)."""
+    padded_vocab = -(-model.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    counts = [*model.tp_divisors, (f"vocab_size (padded to a multiple of {VOCAB_PADDING})", padded_vocab)]
+    for name, count in counts:
+        if count % tp:
+            return f"{tp} does not divide {name} = {count:,} (vLLM asserts it)"
+    kv = model.num_kv_heads
+    if not model.uses_mla and kv and (kv % tp if tp <= kv else tp % kv):
+        return f"{tp} neither divides num_key_value_heads = {kv} nor is a multiple of it"
+    return None
+
+
 def legal_tp_sizes(model: ModelInventory) -> list[int]:
-    """TP sizes vLLM accepts for the model: dividing every count it asserts on (Kimi-K3: 96 heads), and for
-    GQA models dividing the KV heads or a multiple of them (replicated KV heads)."""
-    legal = []
-    for tp in TP_CHOICES:
-        if any(count % tp for _, count in model.tp_divisors):
-            continue
-        kv = model.num_kv_heads
-        if not model.uses_mla and kv and (kv % tp if tp <= kv else tp % kv):
-            continue
-        legal.append(tp)
-    return legal
+    """The TP sizes the planner searches (``TP_CHOICES``) that vLLM accepts for the model (``tp_refusal``)."""
+    return [tp for tp in TP_CHOICES if tp_refusal(model, tp) is None]
+
+
+def validate_length(model: ModelInventory, max_model_len: int, *, field: str = "engine.max_model_len") -> None:
+    """A length beyond the model's positions is bad input, as vLLM refuses it (without
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN), not a memory shortfall."""
+    limit = model.max_model_len_limit
+    if limit and max_model_len > limit:
+        raise ConfigError(field, max_model_len, f"expected at most {limit:,} tokens: the positions {model.name} has "
+                                                f"(config.json max_position_embeddings, with its RoPE scaling)")
 
 
 def validate_pins(model: ModelInventory, pins: Pins) -> None:
     """Refuse pins vLLM would refuse for this model, naming the pin and what is allowed."""
     legal = legal_tp_sizes(model)
     if pins.tp is not None and pins.tp not in legal:
-        divisors = ", ".join(f"{name}={count}" for name, count in model.tp_divisors) or "none"
-        raise ConfigError("tp", pins.tp, f"one of {legal} (must divide {divisors})")
+        reason = tp_refusal(model, pins.tp) or f"the planner searches powers of two up to {TP_CHOICES[-1]}"
+        raise ConfigError("tp", pins.tp, f"expected one of {legal}: {reason}")
     if pins.pp is not None and not (isinstance(pins.pp, int) and 1 <= pins.pp <= model.num_layers):
         raise ConfigError("pp", pins.pp, f"an integer from 1 to the model's {model.num_layers} layers")
     if pins.ep and not model.is_moe:
@@ -333,6 +353,7 @@ def plan(
     if objective not in OBJECTIVES:
         raise ConfigError("objective", objective, f"one of {', '.join(OBJECTIVES)}")
     validate_pins(model, pins)
+    validate_length(model, engine.max_model_len)
     nodes = _check_cluster(cluster)
     total_gpus = sum(node.free_gpu_count for node in nodes)
     domain_sizes: dict[str, int] = {}

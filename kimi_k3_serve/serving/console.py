@@ -7,12 +7,17 @@ replica check, health) and every library logging through the root logger came ou
 :func:`follow_serve_log_encoding` keeps that handler and its Ray/Serve context filters but gives it Serve's
 text layout, unless Serve's default encoding is JSON (``RAY_SERVE_LOG_ENCODING=JSON`` on the nodes), for
 clusters that ship logs to a JSON pipeline.
+
+A rejected client request (unknown model, negative ``max_tokens``, a prompt that is too long) is the client's
+mistake, not the server's: Ray Serve LLM logs each with its full traceback. :class:`ClientErrorLine` makes that one
+line (status, route, reason); server errors (5xx) keep their traceback.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import traceback
 
 TEXT_FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
 """The layout of Serve's own text lines (``INFO 2026-11-30 14:25:26,204 serve 8307 -- ...``), with the logger's name."""
@@ -45,6 +50,7 @@ def follow_serve_log_encoding(environ: dict[str, str] | None = None) -> int:
     vllm_level = env.get("VLLM_LOGGING_LEVEL", "").upper()
     if vllm_level in logging._nameToLevel:
         logging.getLogger("vllm").setLevel(vllm_level)
+    install_client_error_lines()
     if serve_log_encoding(environ) == "JSON":
         return 0
     changed = 0
@@ -54,3 +60,53 @@ def follow_serve_log_encoding(environ: dict[str, str] | None = None) -> int:
             handler.setFormatter(logging.Formatter(TEXT_FORMAT))
             changed += 1
     return changed
+
+
+CLIENT_ERROR_LOGGER = "ray.llm._internal.serve.utils.server_utils"
+"""Where Ray Serve LLM 2.60 logs every failed request (``_FatalEngineErrorLogHandler.log``: a warning with
+``exc_info`` for a status below 500, the status in ``ray_serve_extra_fields``)."""
+REASON_CHARS = 300
+
+
+class ClientErrorLine(logging.Filter):
+    """Turns the traceback Ray Serve LLM logs for a 4xx request into ``client error: STATUS ROUTE: REASON``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        status = (getattr(record, "ray_serve_extra_fields", None) or {}).get("status_code")
+        if record.exc_info and isinstance(status, int) and 400 <= status < 500:
+            record.msg, record.args = "client error: %s %s: %s", (status, _current_route(), client_error_reason(record.exc_info[1]))
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def client_error_reason(exc: BaseException | None) -> str:
+    """What the client got wrong, on one line: the HTTP error's detail or message, else the exception's last line
+    (a ``RayTaskError`` from the LLM replica carries the remote traceback above it)."""
+    for attribute in ("detail", "message"):
+        text = getattr(exc, attribute, None)
+        if isinstance(text, str) and text:
+            break
+    else:
+        lines = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines() if exc is not None else []
+        text = next((line for line in reversed(lines) if line and not line.startswith(" ")), type(exc).__name__)
+    text = " ".join(text.split())
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def _current_route() -> str:
+    """The request's route from Serve's request context; ``?`` outside a request."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().route or "?"
+    except Exception:  # no Ray, or another Ray's internals: the line still says status and reason
+        return "?"
+
+
+def install_client_error_lines() -> bool:
+    """Put :class:`ClientErrorLine` on Ray Serve LLM's request-error logger, once; True when it was added now."""
+    logger = logging.getLogger(CLIENT_ERROR_LOGGER)
+    if any(isinstance(f, ClientErrorLine) for f in logger.filters):
+        return False
+    logger.addFilter(ClientErrorLine())
+    return True
