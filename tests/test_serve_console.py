@@ -99,6 +99,38 @@ def _request_error_record(exc: Exception, status: int) -> logging.LogRecord:
                                  ("req-1",), sys.exc_info(), extra={"ray_serve_extra_fields": {"status_code": status}})
 
 
+def test_ray_serve_llms_own_request_error_log_is_one_line_for_a_client_error(capsys):
+    """Through Ray Serve LLM's own code: the logger its failed-request handler writes to is the one the filter is on,
+    and what reaches its handlers for a 404 is one line, for a 500 the traceback."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+    from ray.llm._internal.serve.utils import server_utils
+
+    from kimi_k3_serve.serving.console import CLIENT_ERROR_LOGGER, TEXT_FORMAT, install_client_error_lines
+
+    assert server_utils.logger.name == CLIENT_ERROR_LOGGER
+    install_client_error_lines()
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(logging.Formatter(TEXT_FORMAT).format(record))
+
+    keep = Keep()
+    server_utils.logger.addHandler(keep)
+    try:
+        server_utils._FatalEngineErrorLogHandler().log(
+            OpenAIHTTPException(status_code=404, message="model 'nope' is not served", type="NotFoundError"), "req-1", 404)
+        try:
+            raise RuntimeError("engine died")
+        except RuntimeError as exc:
+            server_utils._FatalEngineErrorLogHandler().log(exc, "req-2", 500)
+    finally:
+        server_utils.logger.removeHandler(keep)
+    assert len(seen) == 2
+    assert len(seen[0].splitlines()) == 1 and seen[0].endswith("client error: 404 ?: model 'nope' is not served"), seen[0]
+    assert "Traceback" in seen[1]
+
+
 def test_a_client_error_is_one_line_with_status_route_and_reason():
     from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
 

@@ -62,9 +62,10 @@ def follow_serve_log_encoding(environ: dict[str, str] | None = None) -> int:
     return changed
 
 
-CLIENT_ERROR_LOGGER = "ray.llm._internal.serve.utils.server_utils"
-"""Where Ray Serve LLM 2.60 logs every failed request (``_FatalEngineErrorLogHandler.log``: a warning with
-``exc_info`` for a status below 500, the status in ``ray_serve_extra_fields``)."""
+CLIENT_ERROR_LOGGER = "ray.serve.ray.llm._internal.serve.utils.server_utils"
+"""Where Ray Serve LLM 2.60 logs every failed request (``server_utils._FatalEngineErrorLogHandler.log``: a warning with
+``exc_info`` for a status below 500, the status in ``ray_serve_extra_fields``). Its module logger comes from
+``observability.logging.get_logger``, which puts ``ray.serve.`` before the module's name."""
 REASON_CHARS = 300
 
 
