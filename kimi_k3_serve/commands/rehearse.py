@@ -151,6 +151,13 @@ def _model_config(source: str, field: str) -> tuple[dict[str, Any], Path | None]
     return read_config(folder)[0], folder
 
 
+def write_model_config(folder: Path, config: dict[str, Any]) -> Path:
+    """``folder/config.json``: a model vLLM loads with dummy weights. Returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
 def materialize_models(args: ServeArgs, work: Path, layers: int | None):
     """Write the target's (and draft's) config.json where vLLM can load them with dummy weights, sliced to ``layers``
     layers when asked. Returns (args with those folders as sources, target folder, draft folder or None)."""
@@ -167,15 +174,11 @@ def materialize_models(args: ServeArgs, work: Path, layers: int | None):
             draft = slice_draft_config(draft, layers)
             draft_dir = None
     if target_dir is None:
-        target_dir = work / "target"
-        target_dir.mkdir(parents=True, exist_ok=True)
-        (target_dir / "config.json").write_text(json.dumps(target, indent=1))
+        target_dir = write_model_config(work / "target", target)
     update: dict[str, Any] = {"model": args.model.model_copy(update={"source": str(target_dir)})}
     if draft is not None:
         if draft_dir is None:
-            draft_dir = work / "draft"
-            draft_dir.mkdir(parents=True, exist_ok=True)
-            (draft_dir / "config.json").write_text(json.dumps(draft, indent=1))
+            draft_dir = write_model_config(work / "draft", draft)
         update["speculative"] = args.speculative.model_copy(update={"model": str(draft_dir)})
     return args.model_copy(update=update), target_dir, draft_dir
 
@@ -200,9 +203,7 @@ def materialize_rank_slice(real: ServeArgs, work: Path, stage: int):
     start, end = stages[stage]
     rank = RankOf(stage, len(stages), start, end, pins.tp)
     target = rank_text_config(_model_config(real.model.source, "args.model.source")[0], rank)
-    target_dir = work / "target"
-    target_dir.mkdir(parents=True, exist_ok=True)
-    (target_dir / "config.json").write_text(json.dumps(target, indent=1))
+    target_dir = write_model_config(work / "target", target)
     parallel = real.parallel.model_copy(update={"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                                                 "data_parallel_size": 1, "enable_expert_parallel": False,
                                                 "layer_partition": None})
@@ -211,9 +212,7 @@ def materialize_rank_slice(real: ServeArgs, work: Path, stage: int):
     draft_dir = None
     if real.speculative is not None and rank.is_last:
         draft = rank_draft_config(_model_config(real.speculative.model, "args.speculative.model")[0], rank)
-        draft_dir = work / "draft"
-        draft_dir.mkdir(parents=True, exist_ok=True)
-        (draft_dir / "config.json").write_text(json.dumps(draft, indent=1))
+        draft_dir = write_model_config(work / "draft", draft)
         update["speculative"] = real.speculative.model_copy(update={"model": str(draft_dir)})
     return real.model_copy(update=update), target_dir, draft_dir, rank
 
