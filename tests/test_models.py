@@ -275,3 +275,13 @@ def test_tensor_spec_rejects_unknown_sharding() -> None:
     with pytest.raises(ValueError, match="unknown sharding"):
         TensorSpec("x", (1,), "bfloat16", "diagonal", "norms")
     assert QuantScheme("none", "bfloat16").describe() == "bfloat16"
+
+
+def test_an_architecture_that_is_not_a_name_is_refused_by_field():
+    """Found by the config.json fuzz (tests/test_fuzz_config.py): ``"architectures": [[]]`` was a TypeError."""
+    from kimi_k3_serve.errors import UnsupportedModelError
+    from kimi_k3_serve.models import architecture_of
+
+    for bad in ([[]], [{}], [7]):
+        with pytest.raises(UnsupportedModelError, match="architectures"):
+            architecture_of({"architectures": bad})

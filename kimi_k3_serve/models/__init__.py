@@ -63,7 +63,7 @@ def architecture_of(config: Mapping[str, Any], *, source: str | None = None) -> 
     if not archs or not isinstance(archs, list):
         raise UnsupportedModelError("architectures", archs, "config.json must name its architecture", source=source)
     arch = archs[0]
-    if arch not in _BUILDERS:
+    if not isinstance(arch, str) or arch not in _BUILDERS:  # [[]] as an architecture was a TypeError (the fuzz)
         raise UnsupportedModelError("architectures", arch, f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}", source=source)
     return arch
 
