@@ -71,17 +71,27 @@ make_models() {
 # Kernels built at the first engine start (FlashInfer's JIT modules, Triton's cache): about 3 minutes of a fresh
 # host's device time. Each phase packs them into $OUT/jit-cache.tar.gz; a later session carries that file into the
 # stash (/var/tmp/stash/jit-cache.tar.gz, or $KIMI_K3_SERVE_JIT_CACHE) and the first phase unpacks it.
+# The CuTe DSL kernels vLLM 0.32 warms up for Kimi-K3 (about 2 minutes at a host's first engine start, 2026-12-01)
+# go to the DSL's file cache, by default under /tmp: kept under $HOME instead, and packed apart
+# ($OUT/cute-cache.tar.gz), so that neither archive passes the 16 MiB a file that comes back from the host may have.
+export CUTE_DSL_CACHE_DIR="${CUTE_DSL_CACHE_DIR:-$HOME/.cache/cutlass_python_cache}"
 jit_dirs=(.cache/flashinfer .triton/cache .cache/vllm/flashinfer_autotune_cache)
 restore_jit_cache() {
   local archive="${KIMI_K3_SERVE_JIT_CACHE:-/var/tmp/stash/jit-cache.tar.gz}"
-  [ -f "$archive" ] && [ ! -f "$runs/.jit-cache-restored" ] || return 0
-  tar -xzf "$archive" -C "$HOME" && touch "$runs/.jit-cache-restored" && echo "jit cache restored from $archive"
+  [ ! -f "$runs/.jit-cache-restored" ] || return 0
+  for a in "$archive" "$(dirname "$archive")/cute-cache.tar.gz"; do
+    [ -f "$a" ] && tar -xzf "$a" -C "$HOME" && echo "jit cache restored from $a"
+  done
+  touch "$runs/.jit-cache-restored"
 }
 save_jit_cache() {
   local present=()
   for d in "${jit_dirs[@]}"; do [ -d "$HOME/$d" ] && present+=("$d"); done
   [ ${#present[@]} -gt 0 ] && tar -czf "$out/jit-cache.tar.gz" -C "$HOME" "${present[@]}" 2>/dev/null \
     && echo "jit cache: $(du -h "$out/jit-cache.tar.gz" | cut -f1) in $out/jit-cache.tar.gz"
+  [ -d "$CUTE_DSL_CACHE_DIR" ] && tar -czf "$out/cute-cache.tar.gz" -C "$(dirname "$CUTE_DSL_CACHE_DIR")" \
+    "$(basename "$CUTE_DSL_CACHE_DIR")" 2>/dev/null \
+    && echo "cute dsl cache: $(du -h "$out/cute-cache.tar.gz" | cut -f1) in $out/cute-cache.tar.gz"
   return 0
 }
 
