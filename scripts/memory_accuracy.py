@@ -58,6 +58,9 @@ SERVE_RUNS = {
     # `serve run` of deploy/gpu-rehearsal.yaml at PP1 (tests/test_gpu.py::test_serve_run_on_one_gpu). Its vllm.log is
     # the replica's and the Ray worker's logs together. max_num_batched_tokens is what the replica's engine chose.
     "serve-one-gpu": matrix.kimi("serve-one-gpu", 4, tokens=8192, seqs=64, util=0.85),
+    # The same app with the MLA EAGLE3 draft (test_serve_run_with_the_mla_eagle3_draft_on_one_gpu, 2026-12-01).
+    "serve-one-gpu-eagle3-mla": matrix.kimi("serve-one-gpu-eagle3-mla", 4, tokens=8192, seqs=64, util=0.85,
+                                            draft=matrix.EAGLE3_MLA),
     # The same app at PP2 across two Ray nodes (test_serve_run_across_two_ray_nodes, 2 x H200): its vllm.log is the
     # replica's log and both stages' worker logs.
     "serve-two-nodes": matrix.kimi("serve-two-nodes", 4, pp=2, tokens=8192, seqs=64, util=0.85),
