@@ -277,9 +277,12 @@ def test_fake_cluster_file_is_valid_for_ray():
 # AutoscalerOptions from ray-operator/apis/ray/v1/{rayservice,raycluster}_types.go; AuthOptions (``mode`` only in
 # 1.5.1; ``secretName`` and ``enableK8sTokenAuth`` came in 1.6). ``None`` = any value.
 # The pod template is corev1.PodTemplateSpec; only the fields these files use are listed.
+# corev1.Probe (k8s.io/api/core/v1/types.go): ProbeHandler's exec plus the window fields.
+_PROBE = {"exec": {"command": [str]}, "initialDelaySeconds": int, "periodSeconds": int, "timeoutSeconds": int,
+          "successThreshold": int, "failureThreshold": int}
 _CONTAINER = {"name": str, "image": str, "resources": {"limits": None, "requests": None, "claims": [{"name": str}]},
               "ports": [{"containerPort": int, "name": str}], "volumeMounts": [{"name": str, "mountPath": str}],
-              "env": None}
+              "env": None, "livenessProbe": _PROBE}
 _POD_TEMPLATE = {"metadata": None, "spec": {"containers": [_CONTAINER], "volumes": None, "tolerations": None,
                                             "nodeSelector": None, "resourceClaims": None}}
 _STRING_MAP = {"*": str}

@@ -418,9 +418,9 @@ def test_serve_run_at_dp2_ep2(kimi_slice, two_gpu_node) -> None:
     serve_and_query(config, cluster.address, temp_dir, out, check)
 
 
-def _comm_test_on(cluster, ranks: int = 2) -> str:
+def _comm_test_on(cluster, ranks: int = 2, **kwargs) -> str:
     """The replica check's NCCL smoke test over ``ranks`` one-GPU bundles of the cluster (node by node, as pipeline
-    stages are), each named by its node."""
+    stages are), each named by its node; ``kwargs`` go to ``comm_smoke_test`` (the fabric measurement's)."""
     import ray
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
@@ -433,7 +433,7 @@ def _comm_test_on(cluster, ranks: int = 2) -> str:
         table = {int(k): v for k, v in placement_group_table(pg)["bundles_to_node_id"].items()}
         names = {node: f"node-{'abcdefgh'[i]}" for i, node in enumerate(dict.fromkeys(table[b] for b in sorted(table)))}
         bundles = sorted(table, key=lambda b: (list(names).index(table[b]), b))
-        return comm_smoke_test(pg, bundles, [names[table[b]] for b in bundles], backend="nccl", timeout_s=60)
+        return comm_smoke_test(pg, bundles, [names[table[b]] for b in bundles], backend="nccl", timeout_s=60, **kwargs)
     finally:
         remove_placement_group(pg)
         ray.shutdown()
@@ -472,3 +472,44 @@ def test_nccl_smoke_test_at_eight_ranks_fails_clearly_without_one_gpu() -> None:
     assert_comm_test_fails_clearly(8, [["0", "1", "2", "3"], ["4", "5", "6", str(GPUS)]], 8,
                                    r"nccl smoke test between the nodes node-a -> .* -> node-b failed",
                                    "nccl-eight-ranks-gpu-missing.txt", num_cpus=16)
+
+
+# --- the fabric measurement over NCCL (issue 25 part 4) ---------------------------------------------------------
+# NCCL between two raylets needs two GPUs: one H200 cannot hold both ranks (NCCL refuses two ranks on one device).
+# On one host the two "nodes" talk over NVLink (P2P), not a network: the run shows the measurement and NCCL's own
+# transport lines; forcing NCCL onto sockets (P2P, SHM and IB off) shows the socket detection and the refusal.
+
+
+def _fabric_line(line: str) -> str:
+    fabric = [part for part in line.split("\n") if part.startswith("fabric: ")]
+    assert len(fabric) == 1, line
+    return fabric[0]
+
+
+def test_nccl_fabric_measures_bus_bandwidth_between_two_raylets(two_nodes) -> None:
+    from kimi_k3_serve.checks.replica import FabricExpectation
+    from kimi_k3_serve.planning.hardware import interconnect_of
+
+    cluster, _ = two_nodes
+    started = time.monotonic()
+    line = _comm_test_on(cluster, ranks=2, measure_bytes=256 << 20,
+                         expectation=FabricExpectation("H200 nodes", interconnect_of("H200")))
+    (OUT / "nccl-fabric-two-raylets.txt").write_text(f"{time.monotonic() - started:.1f} s\n{line}\n")
+    fabric = _fabric_line(line)
+    busbw = [float(x) for x in re.findall(r"busbw ([\d,.]+) GB/s", fabric.replace(",", ""))]
+    assert len(busbw) == 2 and min(busbw) > 1.0, fabric  # NVLink between two H200s: hundreds of GB/s
+    assert " over " in fabric, f"NCCL named no transport: {fabric}"
+
+
+def test_nccl_fabric_on_sockets_is_found_and_refused_under_the_flag(two_nodes) -> None:
+    from kimi_k3_serve.checks.replica import FabricExpectation, ReplicaCheckError
+    from kimi_k3_serve.planning.hardware import INTERCONNECTS
+
+    cluster, _ = two_nodes
+    sockets = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
+    expectation = FabricExpectation("p5en.48xlarge", INTERCONNECTS["p5en.48xlarge"], min_fabric_fraction=0.25)
+    started = time.monotonic()
+    with pytest.raises(ReplicaCheckError, match=r"NCCL is using TCP sockets \(NET/Socket\), not EFAv3") as info:
+        _comm_test_on(cluster, ranks=2, measure_bytes=64 << 20, expectation=expectation, env=sockets)
+    (OUT / "nccl-fabric-sockets.txt").write_text(f"{time.monotonic() - started:.1f} s\n{info.value}\n")
+    assert "FI_PROVIDER=efa" in str(info.value) and "Refused: args.fabric.min_fabric_fraction is 0.25" in str(info.value)

@@ -135,17 +135,44 @@ def _free_port() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
 
-def _comm_participant(init_method: str, rank: int, world: int, backend: str, timeout_s: float) -> dict[str, Any]:
-    """One process of the smoke test: init, all-reduce, send to the next rank / receive from the previous."""
+NCCL_LOG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+"""What the test's processes set so NCCL says which network it picked (written to a file, read back, parsed)."""
+
+
+def _timed(step, iterations: int, sync) -> float:
+    """Mean seconds of ``step`` over ``iterations``, after ``sync`` on both sides (CUDA work is asynchronous)."""
+    sync()
+    started = time.perf_counter()
+    for _ in range(iterations):
+        step()
+    sync()
+    return (time.perf_counter() - started) / iterations
+
+
+def _comm_participant(init_method: str, rank: int, world: int, backend: str, timeout_s: float,
+                      measure_bytes: int = 0) -> dict[str, Any]:
+    """One process of the test: init, all-reduce, send to the next rank / receive from the previous; then, with
+    ``measure_bytes``, time an all-reduce of that many bytes and a send/recv of them between ranks 0 and 1 (after
+    warmup), and on NCCL return the lines in which NCCL names its network."""
+    import os
+    import tempfile
+
     import torch
     import torch.distributed as dist
 
+    from kimi_k3_serve.checks.fabric import TIMED_ITERATIONS, WARMUP_ITERATIONS
+
     started = time.perf_counter()
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    log_path = None
     if backend == "nccl":
         torch.cuda.set_device(device)
+        if measure_bytes:
+            log_path = os.path.join(tempfile.mkdtemp(prefix="kk3-nccl-"), "nccl.log")
+            os.environ.update(NCCL_LOG_ENV, NCCL_DEBUG_FILE=log_path)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+    timings: dict[str, float] = {}
     try:
         value = torch.full((1024,), float(rank + 1), device=device)
         dist.all_reduce(value)
@@ -158,16 +185,54 @@ def _comm_participant(init_method: str, rank: int, world: int, backend: str, tim
             dist.recv(received, src=rank - 1)
             recv_ok = bool(torch.all(received == rank - 1).item())
         dist.barrier()
+        if measure_bytes:
+            sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+            buffer = torch.ones(measure_bytes // 4, dtype=torch.float32, device=device)
+
+            def all_reduce() -> None:
+                dist.all_reduce(buffer)
+
+            def send_recv() -> None:  # rank 0 -> rank 1, the others idle (nccl-tests' sendrecv pairs neighbours)
+                if rank == 0:
+                    dist.send(buffer, dst=1)
+                elif rank == 1:
+                    dist.recv(buffer, src=0)
+
+            for step, name in ((all_reduce, "all_reduce"), (send_recv, "send_recv")):
+                for _ in range(WARMUP_ITERATIONS):
+                    step()
+                dist.barrier()
+                timings[name] = _timed(step, TIMED_ITERATIONS, sync)
+                dist.barrier()
     finally:
         dist.destroy_process_group()
-    return {"rank": rank, "all_reduce_ok": all_reduce_ok, "recv_ok": recv_ok, "seconds": time.perf_counter() - started}
+    nccl_lines: list[str] = []
+    if log_path is not None and os.path.exists(log_path):
+        with open(log_path, errors="replace") as log:
+            nccl_lines = [line.rstrip("\n") for line in log if "NET/" in line or "Using network" in line
+                          or " via " in line][:200]
+    return {"rank": rank, "all_reduce_ok": all_reduce_ok, "recv_ok": recv_ok, "seconds": time.perf_counter() - started,
+            "timings": timings, "nccl_lines": nccl_lines}
+
+
+@dataclass(frozen=True)
+class FabricExpectation:
+    """What the measurement is judged against (``checks.fabric.judge_fabric``)."""
+
+    node_type: str
+    interconnect: Any | None
+    """``planning.hardware.Interconnect`` or None (no expected bandwidth: report only)."""
+    min_fabric_fraction: float | None = None
 
 
 def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str], *, backend: str, timeout_s: float,
-                    env: Mapping[str, str] | None = None) -> str:
+                    env: Mapping[str, str] | None = None, measure_bytes: int = 0,
+                    expectation: FabricExpectation | None = None) -> str:
     """All-reduce and stage-to-stage send/recv between the given bundles' nodes (one process each, in stage
-    order; ``nodes``: each bundle's node). Returns a line for the log; raises ``ReplicaCheckError`` naming the nodes
-    on failure or timeout."""
+    order; ``nodes``: each bundle's node). With ``measure_bytes``, also their bus bandwidth, judged against
+    ``expectation``: a warning is logged, or ``ReplicaCheckError`` raised under ``min_fabric_fraction``. Returns the
+    lines for the log (one, or two with the bandwidth); raises ``ReplicaCheckError`` naming the nodes on failure or
+    timeout."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -186,7 +251,7 @@ def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str],
     refs = [
         participant.options(num_gpus=gpu, scheduling_strategy=strategy(index), runtime_env=runtime_env,
                             name=f"kimi_k3_serve.comm_rank_{rank}").remote(
-            f"tcp://{ip}:{port}", rank, world, backend, timeout_s)
+            f"tcp://{ip}:{port}", rank, world, backend, timeout_s, measure_bytes)
         for rank, index in enumerate(stage_bundles)
     ]
     path = " -> ".join(nodes)
@@ -206,8 +271,32 @@ def comm_smoke_test(pg: Any, stage_bundles: Sequence[int], nodes: Sequence[str],
         raise ReplicaCheckError(f"{backend} smoke test between the nodes {path} returned wrong values on rank(s) "
                                 f"{[r['rank'] for r in bad]}")
     across = f"{world} nodes" if len(set(nodes)) == world else f"{world} ranks on {len(set(nodes))} nodes"
-    return (f"communication: {backend} all-reduce and stage-to-stage send/recv across {across} ({path}) "
+    line = (f"communication: {backend} all-reduce and stage-to-stage send/recv across {across} ({path}) "
             f"in {time.perf_counter() - started:.2f} s")
+    if not measure_bytes or world < 2:
+        return line
+    return line + "\n" + _judge(results, backend, world, measure_bytes, path, expectation)
+
+
+def _judge(results: Sequence[Mapping[str, Any]], backend: str, world: int, measure_bytes: int, path: str,
+           expectation: FabricExpectation | None) -> str:
+    from kimi_k3_serve.checks.fabric import judge_fabric, measurement, nccl_transport
+
+    # The slowest rank's time is the operation's (every rank waits for the collective to finish).
+    all_reduce = max(r["timings"]["all_reduce"] for r in results)
+    send_recv = max(r["timings"]["send_recv"] for r in results if r["rank"] in (0, 1))
+    measured = (measurement("all_reduce", measure_bytes, all_reduce, world),
+                measurement("send_recv", measure_bytes, send_recv, 2))
+    transport = nccl_transport(line for r in results for line in r["nccl_lines"]) if backend == "nccl" else "gloo"
+    expectation = expectation or FabricExpectation("this node type", None)
+    verdict = judge_fabric(measured, transport=transport, expected=expectation.interconnect,
+                           node_type=expectation.node_type, min_fabric_fraction=expectation.min_fabric_fraction)
+    line = f"{verdict.line} ({measure_bytes // (1 << 20)} MiB, {path})"
+    for warning in verdict.warnings:
+        if verdict.refused:
+            raise ReplicaCheckError(warning)
+        logger.warning(warning)
+    return line
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -394,6 +483,26 @@ def _decide_gpus(args: ServeArgs, layout: Any, gathered: ReplicaProbes):
     return order, last, report, f"GPU memory on the reserved GPUs: {report.verdict}"
 
 
+def fabric_measure_bytes(args: ServeArgs, backend: str) -> int:
+    """``args.fabric.measure_mib``, else 256 MiB over NCCL and 16 MiB over gloo."""
+    from kimi_k3_serve.checks.fabric import DEFAULT_MEASURE_BYTES, DEFAULT_MEASURE_BYTES_CPU
+
+    if args.fabric.measure_mib is not None:
+        return args.fabric.measure_mib << 20
+    return DEFAULT_MEASURE_BYTES if backend == "nccl" else DEFAULT_MEASURE_BYTES_CPU
+
+
+def fabric_expectation(args: ServeArgs) -> FabricExpectation:
+    """What the measured bandwidth is judged against: the node type's interconnect (GPU deployments only)."""
+    from kimi_k3_serve.planning.hardware import interconnect_of
+
+    fabric = args.fabric
+    if args.accelerator.kind != "gpu" or args.accelerator.type is None:
+        return FabricExpectation("CPU nodes", None, fabric.min_fabric_fraction)
+    name = fabric.node_type or f"{args.accelerator.type} nodes"
+    return FabricExpectation(name, interconnect_of(args.accelerator.type, fabric.node_type), fabric.min_fabric_fraction)
+
+
 def check_replica(args: ServeArgs, pg: Any, *, comm_backend: str | None = None,
                   comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S, env: Mapping[str, str] | None = None,
                   probe_timeout_s: float = 60.0) -> ReplicaCheckResult:
@@ -409,8 +518,10 @@ def check_replica(args: ServeArgs, pg: Any, *, comm_backend: str | None = None,
     lines = ([draft_line] if draft_line is not None else []) + list(decision.lines)
     if decision.link_bundles:
         backend = comm_backend or ("nccl" if gpu else "gloo")
-        lines.append(comm_smoke_test(pg, decision.link_bundles, decision.link_names, backend=backend,
-                                     timeout_s=comm_timeout_s, env=env))
+        lines.extend(comm_smoke_test(pg, decision.link_bundles, decision.link_names, backend=backend,
+                                     timeout_s=comm_timeout_s, env=env, measure_bytes=fabric_measure_bytes(args, backend),
+                                     # gloo is TCP whatever the fabric: judged against nothing, only reported
+                                     expectation=fabric_expectation(args) if backend == "nccl" else None).split("\n"))
     seconds = time.perf_counter() - started
     report = replace(decision.report, seconds=seconds) if decision.report is not None else None
     return ReplicaCheckResult(tuple(lines), decision.bundle_indices, report, seconds)

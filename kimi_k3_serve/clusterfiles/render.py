@@ -23,6 +23,12 @@ from typing import Iterable, Mapping
 from kimi_k3_serve import __version__
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.planning.startup import (
+    KUBERAY_LIVENESS_INITIAL_DELAY_S,
+    KUBERAY_LIVENESS_PERIOD_S,
+    KUBERAY_LIVENESS_TIMEOUT_S,
+    StartupBudgets,
+)
 from kimi_k3_serve.units import GB, GiB
 
 FORMATS = ("launcher-aws", "launcher-gcp", "kuberay", "fake")
@@ -277,6 +283,9 @@ class ClusterFileRequest:
     idle_timeout_s: int = 1800
     """How long an idle GPU node is kept. Long: a replica takes many minutes to load 1.5 TB of weights,
     so releasing nodes on a short lull costs more than it saves."""
+    startup: StartupBudgets | None = None
+    """The replica's start-up budgets (``planning.startup``): written into the header, and into a KubeRay file's
+    worker liveness probe."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -368,6 +377,11 @@ def _header(request: ClusterFileRequest, what: str, how: str) -> list[str]:
         lines.append("#")
         lines.extend(f"# {line}" if line else "#" for line in request.verdict)
     lines.append(f"# Node: {request.offering.name}: {request.offering.source}.")
+    if request.startup is not None:
+        lines.append("#")
+        lines.extend(f"# {line}" for line in request.startup.lines())
+        lines.append(f"# The deploy config's runtime_env sets RAYLLM_ENGINE_START_TIMEOUT_S: "
+                     f"\"{request.startup.engine_start_timeout_s}\" (a test checks that it does).")
     return lines
 
 
@@ -672,6 +686,7 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         f'nvidia.com/gpu: "{shape.gpus_per_node}"}}',
         f'                  requests: {{cpu: "{offering.cpus}", memory: {_k8s_quantity_gib(offering.memory_bytes)}, '
         f'nvidia.com/gpu: "{shape.gpus_per_node}"}}',
+        *_worker_liveness_probe(request.startup),
         "                volumeMounts:",
         "                  - {name: dshm, mountPath: /dev/shm}  # NCCL and vLLM's shared-memory queues",
         "            volumes:",
@@ -684,8 +699,8 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
     if _nvlink_spans_nodes(shape):
         # A TP group spans trays: the pods need IMEX channels of one NVLink domain, which the NVIDIA DRA
         # driver hands out through a ComputeDomain's ResourceClaimTemplate.
-        at = lines.index("                volumeMounts:")
-        lines[at:at] = ["                  claims: [{name: nvlink-domain}]"]
+        at = next(i for i, line in enumerate(lines) if line.startswith("                  requests: ")) + 1
+        lines[at:at] = ["                  claims: [{name: nvlink-domain}]"]  # resources.claims of the worker container
         lines += [
             "            # One NVLink domain across trays (multi-node NVLink): create a ComputeDomain with the NVIDIA DRA",
             "            # driver whose channel template is named below, so every pod of a replica joins the same domain.",
@@ -694,6 +709,31 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         ]
     lines += _network_policy(request.cluster_name)
     return "\n".join(lines) + "\n"
+
+
+RAYLET_HEALTH_COMMAND = (
+    f"wget --tries 1 -T {KUBERAY_LIVENESS_TIMEOUT_S} -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"
+)
+"""KubeRay's own worker check (``BaseWgetHealthCommand`` on the dashboard agent's ``RayAgentRayletHealthPath``)."""
+
+
+def _worker_liveness_probe(startup: StartupBudgets | None) -> list[str]:
+    """KubeRay's worker liveness check with a failure window that outlasts the node's load (KubeRay injects its own,
+    600 s, only where the container sets none; the readiness probe stays KubeRay's)."""
+    if startup is None:
+        return []
+    return [
+        f"                # KubeRay's raylet check, with {startup.liveness_failure_threshold} failures x "
+        f"{KUBERAY_LIVENESS_PERIOD_S} s = {startup.liveness_window_s} s",
+        f"                # (KubeRay's own: 600 s), so a node busy with its checkpoint ({startup.load_s:,.0f} s estimated) "
+        "is not restarted; readiness stays KubeRay's (it gates traffic, restarts nothing).",
+        "                livenessProbe:",
+        f"                  exec: {{command: [bash, -c, {json.dumps(RAYLET_HEALTH_COMMAND)}]}}",
+        f"                  initialDelaySeconds: {KUBERAY_LIVENESS_INITIAL_DELAY_S}",
+        f"                  periodSeconds: {KUBERAY_LIVENESS_PERIOD_S}",
+        f"                  timeoutSeconds: {KUBERAY_LIVENESS_TIMEOUT_S}",
+        f"                  failureThreshold: {startup.liveness_failure_threshold}",
+    ]
 
 
 def _network_policy(cluster_name: str) -> list[str]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.inputs import read_text_file
 from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.planning.startup import INTERIM_BANDWIDTH, NodeLoad, StartupBudgets, stage_checkpoint_bytes, startup_budgets
 from kimi_k3_serve.clusterfiles.render import (
     FORMATS,
     PLATFORM_OF_FORMAT,
@@ -115,6 +116,32 @@ def plan_verdict(plan: Any) -> tuple[str, ...]:
     )
 
 
+def node_loads_of_plan(plan: Any) -> tuple[NodeLoad, ...]:
+    """What each node of the replica fetches and reads, as things stand without a prefetch: Ray Serve LLM downloads
+    the whole checkpoint on every node of the placement group (``NodeModelDownloadable.MODEL_AND_TOKENIZER``), and
+    vLLM reads the tensors of the stages whose ranks the node holds (the planner's stage split)."""
+    from kimi_k3_serve.planning.memory import stage_layer_ranges
+
+    per_stage = stage_checkpoint_bytes(plan.model, stage_layer_ranges(plan.model.num_layers, plan.layout))
+    stages_of: dict[str, set[int]] = {}
+    for placement in plan.placements:
+        stages_of.setdefault(placement.node_id, set()).add(placement.pp_stage)
+    download = plan.model.checkpoint_bytes
+    return tuple(
+        NodeLoad(f"{node} (stage {'/'.join(str(s) for s in sorted(stages))})", download, sum(per_stage[s] for s in stages))
+        for node, stages in sorted(stages_of.items())
+    )
+
+
+def startup_of_plan(plan: Any) -> StartupBudgets:
+    """The start-up budgets of one replica of ``plan`` on its node type (interim bandwidths: ``INTERIM_BANDWIDTH``)."""
+    return startup_budgets(
+        nodes=node_loads_of_plan(plan),
+        network_bytes_per_s=INTERIM_BANDWIDTH.network_bytes_per_s,
+        disk_read_bytes_per_s=INTERIM_BANDWIDTH.disk_read_bytes_per_s,
+    )
+
+
 def _display_path(path: Path) -> str:
     """The config path as a user would type it from the repository root: relative when it lies below the
     working directory, so a rendered file names no machine path."""
@@ -174,6 +201,7 @@ def build_request(
         verdict=plan_verdict(replica_plan),
         extra_options=tuple(extra),
         idle_timeout_s=idle_timeout_s,
+        startup=startup_of_plan(replica_plan),
     )
 
 

@@ -217,6 +217,27 @@ class DeploymentArgs(Section):
     )
 
 
+class FabricArgs(Section):
+    """The replica check's fabric measurement between the pipeline stages' nodes (``kimi_k3_serve.checks.fabric``)."""
+
+    node_type: str | None = Field(
+        default=None,
+        description="Instance type of the GPU nodes (e.g. p5en.48xlarge), whose interconnect the measured bandwidth "
+        "is compared with (planning.hardware.INTERCONNECTS); None: the GPU type's usual machines.",
+    )
+    measure_mib: int | None = Field(
+        default=None, ge=0, le=4096,
+        description="MiB per timed all-reduce and send/recv; 0: no measurement; None: 256 on GPUs, 16 on CPU.",
+    )
+    min_fabric_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Refuse the replica when the measured bus bandwidth is below this fraction of the interconnect's "
+        "per-GPU line rate, or NCCL uses TCP sockets; None: only warn (below 25 %, or on sockets).",
+    )
+
+
 class RuntimeEnvArgs(Section):
     env_vars: dict[str, str] = Field(default_factory=dict, description="Environment of the replica and its vLLM workers.")
 
@@ -281,6 +302,7 @@ class ServeArgs(Section):
         default_factory=dict, description="Further vLLM engine arguments, passed through; not the ones this schema owns."
     )
     runtime_env: RuntimeEnvArgs = Field(default_factory=RuntimeEnvArgs)
+    fabric: FabricArgs = Field(default_factory=FabricArgs, description="The replica check's fabric measurement.")
     security: SecurityArgs = Field(default_factory=SecurityArgs, description="API key of the OpenAI routes.")
 
     @field_validator("engine_kwargs")

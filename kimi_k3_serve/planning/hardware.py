@@ -220,3 +220,111 @@ _INSTANCES = {_key(instance.name): instance for instance in INSTANCE_TYPES}
 def lookup_instance(name: str) -> InstanceType | None:
     """The GPUs of a cloud instance / machine type, or None if the catalogue does not know it."""
     return _INSTANCES.get(_key(str(name)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Interconnect between nodes: what one GPU's share of a node's fabric should carry (the fabric check compares the
+# bus bandwidth it measures between two nodes, one rank on each, against it).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The network between nodes of one node type, per GPU (each GPU has its own NIC rail on these machines)."""
+
+    name: str
+    """The fabric, for people: ``EFAv3``, ``InfiniBand NDR``, ``RoCE (GPUDirect-RDMA)``, ``NVLink 5 (NVL72)``."""
+    bytes_per_s_per_gpu: int
+    """Line rate of one GPU's rail, bytes per second (the node's total over its GPUs)."""
+    transport: str
+    """What NCCL should report using: ``ofi`` (the aws-ofi-nccl plugin over libfabric), ``ib`` (verbs: InfiniBand or
+    RoCE), ``gib`` (Google's gIB plugin), ``nvlink`` (one NVLink domain across trays: no network at all)."""
+    settings: tuple[str, ...]
+    """What to check when NCCL is slow or falls back to sockets on this node type."""
+    source: str
+
+
+def _gbps(gbit_per_s: float) -> int:
+    return round(gbit_per_s * 1e9 / 8)
+
+
+_EFA_SETTINGS = (
+    "FI_PROVIDER=efa (libfabric must find the EFA devices: fi_info -p efa)",
+    "the aws-ofi-nccl plugin (libnccl-net-ofi.so on LD_LIBRARY_PATH, or NCCL_NET_PLUGIN=ofi)",
+    "FI_EFA_USE_DEVICE_RDMA=1",
+    "the instance's EFA interfaces and security group (all traffic to and from itself)",
+    "NCCL_SOCKET_IFNAME for the bootstrap interface only (not the data path)",
+)
+_IB_SETTINGS = (
+    "NCCL_IB_HCA (e.g. mlx5)",
+    "NCCL_SOCKET_IFNAME (the bootstrap interface, e.g. eth0)",
+    "the RDMA devices in the container (/dev/infiniband; the RDMA/IB device plugin on Kubernetes)",
+    "NCCL_IB_DISABLE must not be 1",
+    "NCCL_NET_GDR_LEVEL / nvidia-peermem for GPUDirect RDMA",
+)
+_GIB_SETTINGS = (
+    "the gIB NCCL plugin (NCCL_NET=gIB, LD_LIBRARY_PATH with /usr/local/gib/lib64, its nccl-env-profile.sh)",
+    "the extra RDMA NICs of the A3 Ultra VM (multi-NIC network interfaces)",
+    "NCCL_SOCKET_IFNAME (the bootstrap interface)",
+    "NCCL_IB_HCA",
+)
+_NVL72_SETTINGS = (
+    "the IMEX channels of one NVLink domain in every pod (the ComputeDomain's ResourceClaimTemplate)",
+    "NCCL_MNNVL_ENABLE must not be 0",
+    "NCCL_CUMEM_ENABLE=1",
+)
+
+INTERCONNECTS: dict[str, Interconnect] = {
+    "p5en.48xlarge": Interconnect(
+        "EFAv3", _gbps(3200 / 8), "ofi", _EFA_SETTINGS,
+        "AWS EC2 P5en: 3,200 Gbps EFAv3 per instance, 8 H200 (aws.amazon.com/ec2/instance-types/p5)"),
+    "p5e.48xlarge": Interconnect(
+        "EFAv2", _gbps(3200 / 8), "ofi", _EFA_SETTINGS,
+        "AWS EC2 P5e: 3,200 Gbps EFAv2 per instance, 8 H200 (aws.amazon.com/ec2/instance-types/p5)"),
+    "p5.48xlarge": Interconnect(
+        "EFAv2", _gbps(3200 / 8), "ofi", _EFA_SETTINGS,
+        "AWS EC2 P5: 3,200 Gbps EFAv2 per instance, 8 H100 (aws.amazon.com/ec2/instance-types/p5)"),
+    "p6-b200.48xlarge": Interconnect(
+        "EFAv4", _gbps(3200 / 8), "ofi", _EFA_SETTINGS,
+        "AWS EC2 P6-B200: 3,200 Gbps EFAv4 per instance, 8 B200 (aws.amazon.com/ec2/instance-types/p6)"),
+    "a3-ultragpu-8g": Interconnect(
+        "RoCE (GPUDirect-RDMA)", _gbps(400), "gib", _GIB_SETTINGS,
+        "Google Cloud A3 Ultra: 8 CX-7 NICs of 400 Gbps, one per H200, 3,200 Gbps (cloud.google.com/compute/docs/gpus)"),
+    "a4-highgpu-8g": Interconnect(
+        "RoCE (GPUDirect-RDMA)", _gbps(400), "gib", _GIB_SETTINGS,
+        "Google Cloud A4: 8 CX-7 NICs of 400 Gbps, one per B200 (cloud.google.com/compute/docs/gpus)"),
+    "Standard_ND96isr_H200_v5": Interconnect(
+        "InfiniBand NDR", _gbps(400), "ib", _IB_SETTINGS,
+        "Azure ND H200 v5: 8 x 400 Gb/s NDR InfiniBand, one per GPU (learn.microsoft.com ND-H200-v5 series)"),
+    "Standard_ND96isr_H100_v5": Interconnect(
+        "InfiniBand NDR", _gbps(400), "ib", _IB_SETTINGS,
+        "Azure ND H100 v5: 8 x 400 Gb/s NDR InfiniBand, one per GPU (learn.microsoft.com ND-H100-v5 series)"),
+}
+"""Per instance type. Kubernetes pods name no instance type: they take their GPU's default below."""
+
+GPU_DEFAULT_INTERCONNECT: dict[str, Interconnect] = {
+    "H200": Interconnect(
+        "400 Gbps per GPU (InfiniBand / RoCE / EFA)", _gbps(400), "ib", _IB_SETTINGS + _EFA_SETTINGS[:2],
+        "every H200 offering in INTERCONNECTS carries 3,200 Gbps per 8 GPUs (p5en, A3 Ultra, ND H200 v5)"),
+    "H100": Interconnect(
+        "400 Gbps per GPU (InfiniBand / RoCE / EFA)", _gbps(400), "ib", _IB_SETTINGS + _EFA_SETTINGS[:2],
+        "the H100 offerings with a full fabric (p5, ND H100 v5): 3,200 Gbps per 8 GPUs"),
+    "B200": Interconnect(
+        "400 Gbps per GPU (InfiniBand / RoCE / EFA)", _gbps(400), "ib", _IB_SETTINGS + _EFA_SETTINGS[:2],
+        "p6-b200 and A4: 3,200 Gbps per 8 GPUs"),
+    "GB200": Interconnect(
+        "NVLink 5 (NVL72)", 900 * 10**9, "nvlink", _NVL72_SETTINGS,
+        "NVIDIA GB200 NVL72: 1.8 TB/s of NVLink per GPU, both directions (900 GB/s each way) across the rack's trays"),
+    "GB300": Interconnect(
+        "NVLink 5 (NVL72)", 900 * 10**9, "nvlink", _NVL72_SETTINGS,
+        "NVIDIA GB300 NVL72: 1.8 TB/s of NVLink per GPU, both directions (900 GB/s each way) across the rack's trays"),
+}
+
+
+def interconnect_of(gpu: str, node_type: str | None = None) -> Interconnect | None:
+    """What the fabric between two nodes of ``node_type`` (else of ``gpu``'s usual machines) should carry per GPU."""
+    if node_type is not None:
+        found = {_key(name): ic for name, ic in INTERCONNECTS.items()}.get(_key(node_type))
+        if found is not None:
+            return found
+    return GPU_DEFAULT_INTERCONNECT.get(lookup_gpu(gpu).name)

@@ -15,6 +15,7 @@
 #                  (KIMI_K3_SERVE_RANK_SET=ranks-round2 for the next round)
 #                  and the shapes where the verdict missed; each job's role (fit or validation) is in matrix.py
 #   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes, at DP2 x EP2, + the NCCL test (pytest -m gpu -k "serve or nccl")
+#                  (the NCCL tests include the fabric measurement: bus bandwidth and socket detection, 2 GPUs)
 #                  (KIMI_K3_SERVE_GPU_TESTS="EXPR" runs the tests that pytest -k EXPR selects instead, in either tests phase)
 #   bench          serving speed, bare vLLM vs our Serve path (scripts/bench_serving.py --preset $KIMI_K3_SERVE_BENCH, default h200-llama-8b) -> $OUT/bench
 #   all            every phase in turn (a host without the 10-minute limit)
