@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", (PKG, f"{PKG}.errors", f"{PKG}.inputs", f"{PKG}.units")),
     ("models", (f"{PKG}.models",)),
     ("planning", (f"{PKG}.planning",)),
-    ("cluster", (f"{PKG}.cluster",)),
+    ("cluster", (f"{PKG}.cluster", f"{PKG}.checkpoint")),
     ("config", (f"{PKG}.config",)),
     ("checks", (f"{PKG}.checks",)),
     ("serving", (f"{PKG}.serving",)),
