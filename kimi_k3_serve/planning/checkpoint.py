@@ -28,7 +28,7 @@ from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.models.inventory import ModelInventory
 from kimi_k3_serve.planning.layout import Layout
 from kimi_k3_serve.planning.memory import stage_layer_ranges
-from kimi_k3_serve.units import GB, fmt_gib
+from kimi_k3_serve.units import GB, fmt_size
 
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_SUFFIX = ".safetensors"
@@ -223,8 +223,8 @@ class DiskVerdict:
         return self.free_bytes is None or self.need_bytes <= self.free_bytes
 
     def refusal(self) -> str:
-        return (f"node {self.node}: download folder {self.folder} needs {fmt_gib(self.need_bytes)} more, has "
-                f"{fmt_gib(self.free_bytes or 0)} free")
+        return (f"node {self.node}: download folder {self.folder} needs {fmt_size(self.need_bytes)} more, has "
+                f"{fmt_size(self.free_bytes or 0)} free")
 
 
 def disk_verdict(node: str, folder: str, *, need_bytes: int, present_bytes: int = 0,
