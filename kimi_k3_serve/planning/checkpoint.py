@@ -244,7 +244,7 @@ class TimeEstimate:
         def part(seconds: float | None, rate: int | None, what: str) -> str:
             if seconds is None:
                 return f"{what}: no declared bandwidth"
-            return f"{what} {_duration(seconds)} at {rate / GB:,.2f} GB/s"
+            return f"{what} >= {_duration(seconds)} at {rate / GB:,.2f} GB/s"
 
         return (part(self.download_s, self.network_bytes_per_s, "download") + "; "
                 + part(self.load_s, self.disk_read_bytes_per_s, "load from disk"))
