@@ -143,3 +143,44 @@ def test_a_node_short_of_disk_is_refused_before_any_download(two_nodes, small_di
     assert list(folder.iterdir()) == []  # nothing written on the small disk
     for other in two_nodes["folders"]:
         assert not (other / "small" / "model").exists()  # nor on any other node
+
+
+def test_the_replica_check_puts_each_stage_where_its_files_are_and_refuses_a_missing_shard(two_nodes, capsys):
+    """After prefetch, the replica check (on a placement group reserved as Ray Serve LLM asks for it) puts the last
+    stage on the node that holds its shards, and refuses in one line, before vLLM starts, once a shard is gone."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from kimi_k3_serve.checks.replica import ReplicaCheckError, check_replica
+    from kimi_k3_serve.commands.check import serve_llm_bundles
+    from kimi_k3_serve.config.args import load_args
+
+    config = config_file(two_nodes["work"], two_nodes["shards"])
+    assert _prefetch(config, two_nodes["address"], capsys)[0] == 0
+    args = load_args(yaml.safe_load(config.read_text())["applications"][0]["args"])
+    first, second = sorted(two_nodes["ids"])
+    ray.init(address=two_nodes["address"], logging_level="ERROR", log_to_driver=False)
+    try:
+        bundles, strategy = serve_llm_bundles(args)
+        pg = placement_group(bundles, strategy=strategy)
+        ray.get(pg.ready(), timeout=60)
+        try:
+            result = check_replica(args, pg, comm_backend="gloo", comm_timeout_s=60)
+            copy_line = next(line for line in result.lines if line.startswith("local copy:"))
+            assert f"stage 0 on {first}" in copy_line and f"stage 1 on {second}" in copy_line, result.lines
+            folder = dict(zip(two_nodes["ids"], two_nodes["folders"][:2]))[second] / "model"
+            shard = folder / "model-00005-of-00006.safetensors"
+            kept = shard.read_bytes()
+            shard.unlink()
+            try:
+                with pytest.raises(ReplicaCheckError) as refused:
+                    check_replica(args, pg, comm_backend="gloo", comm_timeout_s=60)
+            finally:
+                shard.write_bytes(kept)
+            message = str(refused.value)
+            assert "\n" not in message
+            assert message.startswith(f"replica refused before vLLM starts: stage 1 runs on node {second}")
+            assert "lacks 1 of its files (model-00005-of-00006.safetensors)" in message
+        finally:
+            remove_placement_group(pg)
+    finally:
+        ray.shutdown()
