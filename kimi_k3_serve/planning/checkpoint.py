@@ -284,7 +284,8 @@ def synthetic_listing(model: ModelInventory, *, source: str, shard_bytes: int = 
     ``save_pretrained``'s rule, not the publisher's. ``shard_count``: cut into about that many equal shards instead
     (the published Kimi-K3 index has 96)."""
     entries: list[tuple[str, int]] = []
-    for tensor in model.all_tensors():
+    # Vision first: a multimodal class registers its vision tower before the language model (Kimi-VL's order).
+    for tensor in (*model.vision, *model.all_tensors(include_vision=False)):
         if not tensor.in_checkpoint or tensor.checkpoint_bytes == 0:
             continue
         each = tensor.checkpoint_bytes // tensor.count
@@ -292,16 +293,22 @@ def synthetic_listing(model: ModelInventory, *, source: str, shard_bytes: int = 
             entries.append((tensor.name, each))
         else:
             entries.extend((f"{tensor.name}.{i}", each) for i in range(tensor.count))
-    if shard_count is not None:
-        shard_bytes = -(-sum(b for _, b in entries) // max(1, shard_count))
     shards: list[list[tuple[str, int]]] = [[]]
-    size = 0
-    for name, nbytes in entries:
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, nbytes))
-        size += nbytes
+    if shard_count is not None:  # equal cuts by bytes, tensors whole: exactly ``shard_count`` shards
+        total, offset = sum(b for _, b in entries), 0
+        shards = [[] for _ in range(max(1, shard_count))]
+        for name, nbytes in entries:
+            shards[min(len(shards) - 1, offset * len(shards) // max(total, 1))].append((name, nbytes))
+            offset += nbytes
+        shards = [s for s in shards if s]
+    else:
+        size = 0
+        for name, nbytes in entries:
+            if shards[-1] and size + nbytes > shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, nbytes))
+            size += nbytes
     count = len(shards)
     files = [
         CheckpointFile(f"model-{i + 1:05d}-of-{count:05d}.safetensors", sum(b for _, b in shard),
