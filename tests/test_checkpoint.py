@@ -266,3 +266,23 @@ def test_a_hub_download_is_checked_against_its_sha256(hub, shards, tmp_path):
     with pytest.raises(local_copy.FetchError, match="SHA-256 .* the hub's LFS metadata says 0000"):
         local_copy.fetch_file("org/tiny", bad, tmp_path / "dl2", endpoint=hub)
     assert not (tmp_path / "dl2" / shard.name).exists()  # a file that did not check out is removed
+
+
+def test_check_prints_per_node_bytes_disk_and_time_and_refuses_a_small_volume(tmp_path, capsys):
+    cluster = (REPO / "cluster_configs/aws-h200-p5en.yaml").read_text()
+    code = cli.main(["check", "--config", str(REPO / "deploy/config.yaml"), "--cluster",
+                     str(REPO / "cluster_configs/aws-h200-p5en.yaml"), "--json"])
+    document = json.loads(capsys.readouterr().out)
+    assert code == 0
+    nodes = document["checkpoint"]["nodes"]
+    assert [n["stages"] for n in nodes] == [[0], [1]] and nodes[0]["free_bytes"] == 3000 * 2**30
+    assert nodes[0]["disk_read_bytes_per_s"] == 125 * 2**20 and nodes[0]["network_bytes_per_s"] == 12_500_000_000
+    assert nodes[0]["load_s"] == pytest.approx(nodes[0]["bytes"] / (125 * 2**20))
+    small = tmp_path / "small.yaml"
+    small.write_text(cluster.replace("VolumeSize: 3000", "VolumeSize: 1000"))
+    code = cli.main(["check", "--config", str(REPO / "deploy/config.yaml"), "--cluster", str(small)])
+    out = capsys.readouterr().out.splitlines()
+    refusals = [line for line in out if line.startswith("does not fit:")]
+    assert code == 1 and len(refusals) == 2  # both nodes of the replica, one line each
+    assert refusals[0] == ("does not fit: node 1 of 2 [gpu_8xh200]: download folder the Hugging Face cache (free: the "
+                           "whole EBS gp3 1,000 GiB volume) needs 1,458.55 GiB more, has 1,000.00 GiB free")

@@ -62,10 +62,16 @@ def listing_of(source: str, *, field: str, model: Any, mode: str) -> CheckpointL
     """The checkpoint's listing: read (folders always, remote sources with ``mode == "read"``) or estimated."""
     from kimi_k3_serve.checkpoint.listing import read_listing
 
+    from pathlib import Path
+
     kind = source_kind(source)
-    if kind != "remote" or mode == "read":
-        resolved = resolve_source(source, field=field) if kind != "remote" else source
+    if kind != "remote":
+        resolved = resolve_source(source, field=field)
+        if not any(Path(resolved).glob("*.safetensors")):  # a folder of config.json alone (planning only): estimate
+            return synthetic_listing(model, source=source)
         return read_listing(resolved, field=field)
+    if mode == "read":
+        return read_listing(source, field=field)
     return synthetic_listing(model, source=source)
 
 
