@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_k3_serve.config.args import ServeArgs, load_args, with_resolved_sources
+from kimi_k3_serve.config.args import ServeArgs, load_args, with_local_copy, with_resolved_sources
 from kimi_k3_serve.config.args_adapter import vllm_engine_args_of
 from kimi_k3_serve.errors import ConfigError
 
@@ -128,7 +128,7 @@ def llm_config_of(args: ServeArgs):
         from kimi_k3_serve.serving.server import LLMServer  # hang-aware health check, first token never batched
     from kimi_k3_serve.checks.replica_callback import replica_callback_config  # the check on the GPUs Serve reserved
 
-    resolved = with_resolved_sources(args)
+    resolved = with_resolved_sources(with_local_copy(args))  # the per-node copy of `prefetch`, when there is one
     vllm = vllm_engine_args_of(resolved)
     accelerator_type = args.accelerator.ray_accelerator_type if args.accelerator.kind == "gpu" else None
     return LLMConfig(

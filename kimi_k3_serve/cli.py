@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("kimi_k3_serve.commands.memory", "per-GPU memory of one layout (vLLM 0.32 accounting)"),
     "plan": ("kimi_k3_serve.commands.plan", "find the best layout of a model on a declared cluster"),
     "check": ("kimi_k3_serve.commands.check", "will this deploy config fit its cluster? (CI/CD gate)"),
+    "prefetch": ("kimi_k3_serve.commands.prefetch", "put each node's part of the checkpoint on its own disk (Ray task per node)"),
     "render": ("kimi_k3_serve.commands.render", "write a Ray cluster launcher / KubeRay file from a deploy config"),
     "rehearse": ("kimi_k3_serve.commands.rehearse", "start vLLM's real engine on dummy weights and compare with the plan"),
 }

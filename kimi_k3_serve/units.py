@@ -20,3 +20,8 @@ def cdiv(a: int, b: int) -> int:
 
 def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
+
+
+def fmt_size(nbytes: int | float) -> str:
+    """GiB, or MiB below a tenth of a GiB (a tiny test checkpoint still reads as a number), always labelled."""
+    return fmt_gib(nbytes) if abs(nbytes) >= GiB // 10 else f"{nbytes / MiB:,.2f} MiB"

