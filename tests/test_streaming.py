@@ -146,7 +146,7 @@ def _dev_llm_server(**deployment):
     from kimi_k3_serve.config.args import load_args
     from kimi_k3_serve.config.serve_config import load_serve_app
 
-    from tests.conftest import REPO_ROOT
+    from conftest import REPO_ROOT
 
     raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
     raw = {**raw, "deployment": {**(raw.get("deployment") or {}), **deployment}}

@@ -117,6 +117,8 @@ async def _validation_error(request: Any, exc: RequestValidationError) -> JSONRe
     serialised, and the client got a 500. OpenAI's ``param`` is the parameter's name, which is what goes here."""
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "Invalid request", "loc": ("body",), "type": "invalid_request_error"}
+    if not isinstance(first, dict):  # vLLM's own app raises it with plain strings (e.g. a text/plain body)
+        first = {"msg": str(first), "loc": ("body",), "type": "invalid_request_error"}
     loc = tuple(first.get("loc") or ("body",))
     param = ".".join(str(part) for part in loc[1:]) or None
     body = {"error": {"message": f"Invalid request format: {first.get('msg')} at {loc}",
