@@ -99,9 +99,14 @@ GOALS = {  # the serving path's budget over bare vLLM (issue 26, docs/benchmarks
     "itl_p50_ratio_min": 0.90,
 }
 CHUNK_METRICS = {  # computed from vLLM's per-request ITLs (--save-detailed), which are then dropped from the JSON
-    "median_chunks_per_stream": ("chunks/stream p50", True),
-    "mean_tokens_per_chunk": ("tokens/chunk", False),
+    "median_chunks_per_stream": ("SSE chunks/stream p50", True),
+    "median_deliveries_per_stream": ("deliveries/stream p50", True),
+    "mean_tokens_per_delivery": ("tokens/delivery", False),
 }
+DELIVERY_GAP_MS = 0.5
+"""A chunk read less than this after the one before came in the same delivery (one network write of several SSE
+events: a batch of the stream batching interval, or a relay that fell behind); vLLM's client reads each event
+apart, so bursts show as ITLs of ~0 ms, not as fewer chunks."""
 DETAILED_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
 # `vllm bench serve`, run from its Python API in one long-lived process: it reads one job per line on stdin (the
 # client's argv and a log file), runs it, and answers {"rc": ...} on stdout. Importing vLLM's benchmark module
@@ -675,18 +680,22 @@ def run_client(client: BenchClient, side: RunningSide, engine: Engine, workload:
 
 
 def chunk_stats(result: dict[str, Any]) -> dict[str, Any]:
-    """How the tokens arrived, from vLLM's per-request ITLs (one per content chunk after the first): chunks per
-    stream (median, min, max) and output tokens per chunk (mean). Token by token gives one chunk per engine step
-    (a step yields 1 + accepted draft tokens with speculative decoding); bursts give few chunks of many tokens.
-    The per-request lists are then dropped, so a result JSON stays small."""
+    """How the tokens arrived, from vLLM's per-request ITLs (one per content chunk after the first): SSE chunks per
+    stream (median, min, max), deliveries per stream (chunks more than ``DELIVERY_GAP_MS`` after the one before start
+    a new one) and output tokens per delivery (mean). Token by token gives one delivery per engine step (a step
+    yields 1 + accepted draft tokens with speculative decoding); bursts give few deliveries of many tokens. The
+    per-request lists are then dropped, so a result JSON stays small."""
     itls, lens = result.get("itls"), result.get("output_lens")
     if itls:
-        chunks = [len(itl) + 1 for itl, n in zip(itls, lens or [1] * len(itls)) if n]
+        pairs = [(itl, n) for itl, n in zip(itls, lens or [1] * len(itls)) if n]
+        chunks = [len(itl) + 1 for itl, _ in pairs]
+        deliveries = [1 + sum(1 for gap in itl if 1000 * gap >= DELIVERY_GAP_MS) for itl, _ in pairs]
         if chunks:
             result["median_chunks_per_stream"] = statistics.median(chunks)
             result["min_chunks_per_stream"], result["max_chunks_per_stream"] = min(chunks), max(chunks)
-            tokens = sum(n for n in (lens or []) if n)
-            result["mean_tokens_per_chunk"] = tokens / sum(chunks) if tokens else None
+            result["median_deliveries_per_stream"] = statistics.median(deliveries)
+            tokens = sum(n for _, n in pairs)
+            result["mean_tokens_per_delivery"] = tokens / sum(deliveries) if tokens else None
     for key in DETAILED_FIELDS:
         result.pop(key, None)
     return result
@@ -957,7 +966,8 @@ def summarise(cells: dict[tuple[str, int], Cell], sides: list[str], concurrencie
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = ("| concurrency | side | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | "
-            "TTFT p50 overhead | chunks/stream p50 | tokens/chunk |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "TTFT p50 overhead | SSE chunks/stream p50 | deliveries/stream p50 | tokens/delivery |\n"
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for row in rows:
         cells = []
@@ -967,10 +977,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             cells.append(value if row["side"] == "vllm" or ratio is None else f"{value} ({ratio:.2f}x)")
         overhead = row.get("ttft_p50_overhead_ms")
         shown = "-" if row["side"] == "vllm" or overhead is None else f"{overhead:+.1f} ms"
-        chunks, per_chunk = row.get("median_chunks_per_stream"), row.get("mean_tokens_per_chunk")
+        arrival = [row.get(key) for key in CHUNK_METRICS]
         lines.append(f"| {row['concurrency']} | {row['side']} | " + " | ".join(cells) + f" | {shown} | "
-                     + ("-" if chunks is None else f"{chunks:.0f}") + " | "
-                     + ("-" if per_chunk is None else f"{per_chunk:.2f}") + " |")
+                     + " | ".join("-" if v is None else (f"{v:.2f}" if key.startswith("mean") else f"{v:.0f}")
+                                  for key, v in zip(CHUNK_METRICS, arrival)) + " |")
     return "\n".join(lines)
 
 

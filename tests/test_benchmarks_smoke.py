@@ -145,11 +145,13 @@ def test_the_h200_call_measures_with_the_key_on_and_records_how_tokens_arrive(be
     argv = bench_serving.client_argv(running, engine, workload, 8, tmp_path, "serve+key-c8-r0.json")
     assert argv[argv.index("--header") + 1] == f"Authorization=Bearer {key_file.read_text()}"
     assert "--save-detailed" in argv and "itl" in argv[argv.index("--percentile-metrics") + 1].split(",")
-    # vLLM's result with per-request ITLs: two streams of 4 tokens, one token by token, one in two bursts
-    result = bench_serving.chunk_stats({"median_itl_ms": 1.0, "output_lens": [4, 4], "itls": [[0.1, 0.1, 0.1], [0.05]],
-                                        "ttfts": [0.1, 0.1], "generated_texts": ["a", "b"]})
-    assert result["median_chunks_per_stream"] == 3 and (result["min_chunks_per_stream"], result["max_chunks_per_stream"]) == (2, 4)
-    assert result["mean_tokens_per_chunk"] == 8 / 6
+    # vLLM's result with per-request ITLs: two streams of 4 tokens, one token by token (4 ms apart), one in two
+    # bursts (SSE chunks read 0.0 ms after the one before came in the same delivery)
+    result = bench_serving.chunk_stats({"median_itl_ms": 1.0, "output_lens": [4, 4], "itls": [[0.004] * 3,
+                                        [0.0, 0.05, 0.0]], "ttfts": [0.1, 0.1], "generated_texts": ["a", "b"]})
+    assert result["median_chunks_per_stream"] == 4 and (result["min_chunks_per_stream"], result["max_chunks_per_stream"]) == (4, 4)
+    assert result["median_deliveries_per_stream"] == 3  # 4 and 2
+    assert result["mean_tokens_per_delivery"] == 8 / 6
     assert not {"itls", "ttfts", "generated_texts", "output_lens"} & set(result)
 
 
