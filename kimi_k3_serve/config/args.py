@@ -215,14 +215,16 @@ class DeploymentArgs(Section):
     graceful_shutdown_wait_loop_s: float = Field(default=2.0, gt=0, description="Poll period while draining.")
     graceful_shutdown_timeout_s: float = Field(default=20.0, ge=0, description="Longest wait for requests to drain.")
     stream_batching_interval_ms: float | None = Field(
-        default=50.0,
+        default=0.0,
         ge=0,
         description=(
             "How long the LLM replica gathers streamed chunks before sending them on to the ingress as one message "
-            "(Ray Serve LLM's experimental_configs.stream_batching_interval_ms). The first chunk of every response "
-            "is sent at once whatever this is (kimi_k3_serve.serving.streaming); later ones every interval. 0 sends every "
-            "chunk alone, which costs the proxy and both replicas CPU per token (docs/benchmarks.md); null keeps "
-            "Ray's default (50)."
+            "(Ray Serve LLM's experimental_configs.stream_batching_interval_ms). 0, the default, sends every engine "
+            "step's output alone: the client gets the tokens as vLLM makes them, as from bare vLLM. A positive "
+            "interval is an option that trades that for fewer messages (less CPU in the proxy and both replicas per "
+            "token, docs/benchmarks.md): the first chunk of every response is still sent at once "
+            "(kimi_k3_serve.serving.streaming), later ones every interval, so tokens arrive in bursts. null keeps "
+            "Ray's default (50). Under Ray Serve LLM's direct streaming no batching applies: vLLM's own app streams."
         ),
     )
 

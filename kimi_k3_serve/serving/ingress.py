@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 from pathlib import Path
@@ -45,6 +46,18 @@ API_KEY_ENV = "KIMI_K3_SERVE_API_KEY"
 API_KEY_FILE_ENV = "KIMI_K3_SERVE_API_KEY_FILE"
 OPEN_PATHS = frozenset({"/health", "/-/healthz", "/-/routes"})
 """Every path the ingress answers without the key, matched exactly (no prefix, no suffix, no trailing slash)."""
+CHOICES_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+"""The routes whose body may ask for ``n`` choices (direct streaming: checked by ``ChoicesBoundMiddleware``)."""
+
+
+def too_many_choices(n: Any, max_choices: int | None) -> str | None:
+    """The 400's message when ``n`` asks for more choices than one request may (the engine's batch), else None.
+    vLLM accepts any n >= 1 and fans one request out into n sequences: n = 100000 would occupy the engine for
+    hours while every other client waits."""
+    if max_choices is None or not isinstance(n, int) or isinstance(n, bool) or n <= max_choices:
+        return None
+    return (f"n = {n} is more choices than one request may ask for here: at most {max_choices} "
+            "(the engine's batch, args.limits.max_num_seqs)")
 
 
 def _openai_error(exc: HTTPException) -> OpenAIHTTPException:
@@ -104,6 +117,8 @@ async def _validation_error(request: Any, exc: RequestValidationError) -> JSONRe
     serialised, and the client got a 500. OpenAI's ``param`` is the parameter's name, which is what goes here."""
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "Invalid request", "loc": ("body",), "type": "invalid_request_error"}
+    if not isinstance(first, dict):  # vLLM's own app raises it with plain strings (e.g. a text/plain body)
+        first = {"msg": str(first), "loc": ("body",), "type": "invalid_request_error"}
     loc = tuple(first.get("loc") or ("body",))
     param = ".".join(str(part) for part in loc[1:]) or None
     body = {"error": {"message": f"Invalid request format: {first.get('msg')} at {loc}",
@@ -157,6 +172,48 @@ class ApiKeyMiddleware:
         return path in OPEN_PATHS
 
 
+class ChoicesBoundMiddleware:
+    """Pure ASGI, for vLLM's own app in the LLM replica (direct streaming, where no ingress replica parses the
+    request): a POST to ``CHOICES_PATHS`` whose JSON body asks for more than ``max_choices`` choices gets the
+    ingress path's 400 in OpenAI's format. The body is read once and handed on unchanged; later ``receive`` calls
+    (a client that disconnects mid-stream) reach the server as before. A body that is not a JSON object is left
+    to vLLM's own validation."""
+
+    def __init__(self, app: Any, *, max_choices: int) -> None:
+        self.app = app
+        self._max_choices = max_choices
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in CHOICES_PATHS:
+            await self.app(scope, receive, send)
+            return
+        received, chunks = [], []
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        if received and received[-1]["type"] == "http.request":  # the whole body: one message downstream
+            received = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        try:
+            body = json.loads(b"".join(chunks)) if chunks else None
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        message = too_many_choices(body.get("n") if isinstance(body, dict) else None, self._max_choices)
+        if message is not None:
+            error = {"error": {"message": message, "type": "BadRequestError", "param": "n", "code": 400}}
+            await JSONResponse(status_code=400, content=error)(scope, receive, send)
+            return
+
+        async def replay() -> dict:
+            return received.pop(0) if received else await receive()
+
+        await self.app(scope, replay, send)
+
+
 class OpenAiErrorsIngress(OpenAiIngress):
     """``OpenAiIngress`` whose model lookups fail with OpenAI-style error bodies, with an optional API key and a
     bound on the choices (``n``) one request may ask for."""
@@ -178,16 +235,9 @@ class OpenAiErrorsIngress(OpenAiIngress):
         super()._set_asgi_app(app)
 
     async def _process_llm_request(self, body: Any, call_method: str, raw_request: Any = None) -> Any:
-        # vLLM accepts any n >= 1 and fans one request out into n sequences: n = 100000 would occupy the engine
-        # for hours while every other client waits.
-        n = getattr(body, "n", None)
-        if self._max_choices is not None and isinstance(n, int) and n > self._max_choices:
-            raise OpenAIHTTPException(
-                status_code=400,
-                message=f"n = {n} is more choices than one request may ask for here: at most {self._max_choices} "
-                "(the engine's batch, args.limits.max_num_seqs)",
-                type="BadRequestError",
-            )
+        message = too_many_choices(getattr(body, "n", None), self._max_choices)
+        if message is not None:
+            raise OpenAIHTTPException(status_code=400, message=message, type="BadRequestError")
         return await super()._process_llm_request(body, call_method, raw_request)
 
     async def _get_model_id(self, model: Optional[str]) -> str:

@@ -1,0 +1,164 @@
+"""Direct streaming keeps what our ingress guarantees: Ray Serve LLM's ``LLMServer.__serve_build_asgi_app__`` builds
+vLLM's own app (the real ``vllm.entrypoints.launchers.app.build_app``, as ``VLLMEngine.build_asgi_app`` does), and our
+subclass (``kimi_k3_serve.serving.server.LLMServer``) puts the API key and the bound on ``n`` on it.
+
+No engine runs: a request that gets past the guards reaches vLLM's handler, which answers 500 here (no engine
+state), so "passed the guard" is asserted as "not 401" / "not our 400".
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.serving.server import GUARDS_KEY, LLMServer
+
+KEY = "sk-direct-3f9a1c"
+MODEL = "tiny-llama"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 1.0}
+
+
+class NativeEngine:
+    """What ``VLLMEngine.build_asgi_app`` returns, without an engine: vLLM's own app for ``--model MODEL``."""
+
+    async def build_asgi_app(self):
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", MODEL, "--served-model-name", MODEL])
+        return build_app(args, supported_tasks=("generate",))
+
+
+def _server(guards: dict | None):
+    from ray.serve.llm import LLMConfig
+
+    config = LLMConfig(model_loading_config={"model_id": MODEL, "model_source": MODEL},
+                       experimental_configs={GUARDS_KEY: guards} if guards is not None else {})
+    server = LLMServer.sync_init(config)
+    server.engine = NativeEngine()
+    return server
+
+
+def _client(guards: dict | None):
+    from fastapi.testclient import TestClient
+
+    app = asyncio.run(_server(guards).__serve_build_asgi_app__())
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("secrets") / "api.key"
+    path.write_text(KEY + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def guarded(key_file):
+    return _client({"api_key_file": key_file, "require_api_key": True, "max_choices": 8})
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _is_openai_401(response) -> None:
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("method,path", [("get", "/v1/models"), ("get", f"/v1/models/{MODEL}"),
+                                         ("get", f"/v1/models/{MODEL}/health"), ("post", "/v1/chat/completions"),
+                                         ("post", "/v1/completions"), ("post", "/tokenize"), ("get", "/metrics"),
+                                         ("get", "/docs"), ("get", "/health/")])
+def test_vllms_own_app_needs_the_key_on_every_path_but_the_open_ones(guarded, method, path):
+    kwargs = {"json": CHAT} if method == "post" else {}
+    _is_openai_401(getattr(guarded, method)(path, **kwargs))
+    _is_openai_401(getattr(guarded, method)(path, headers={"Authorization": "Bearer wrong"}, **kwargs))
+
+
+def test_the_right_key_passes_and_health_stays_open(guarded):
+    assert guarded.get("/health").status_code != 401
+    card = guarded.get(f"/v1/models/{MODEL}", headers=AUTH)  # Ray Serve LLM's route on the native app
+    assert card.status_code == 200 and card.json()["id"] == MODEL
+    assert guarded.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code not in (400, 401)
+
+
+def test_n_is_bounded_as_on_the_ingress_path(guarded):
+    for n in (9, 16384):
+        response = guarded.post("/v1/chat/completions", json={**CHAT, "n": n}, headers=AUTH)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "BadRequestError" and error["param"] == "n"
+        assert f"n = {n} is more choices than one request may ask for here: at most 8" in error["message"]
+    completion = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 9}
+    assert guarded.post("/v1/completions", json=completion, headers=AUTH).status_code == 400
+    # n within the bound reaches vLLM (500 here: no engine), with its body intact
+    assert guarded.post("/v1/chat/completions", json={**CHAT, "n": 8}, headers=AUTH).status_code not in (400, 401)
+
+
+def test_errors_are_openai_errors(guarded):
+    unknown = guarded.get("/v1/models/no-such-model", headers=AUTH)
+    assert unknown.status_code == 404 and unknown.json()["error"]["message"], unknown.text
+    import json
+
+    plain = guarded.post("/v1/chat/completions", content=json.dumps(CHAT), headers={**AUTH, "Content-Type": "text/plain"})
+    assert plain.status_code == 400 and plain.json()["error"]["message"], plain.text
+    invalid = guarded.post("/v1/chat/completions", json={**CHAT, "messages": "Hi"}, headers=AUTH)
+    assert invalid.status_code == 400 and invalid.json()["error"]["code"] == "invalid_parameter", invalid.text
+
+
+def test_without_a_key_the_routes_are_open_and_n_still_bounded():
+    client = _client({"api_key_file": None, "require_api_key": False, "max_choices": 8})
+    assert client.get(f"/v1/models/{MODEL}").status_code == 200
+    assert client.post("/v1/chat/completions", json={**CHAT, "n": 9}).status_code == 400
+
+
+def test_a_required_key_that_is_missing_stops_the_replica_before_the_engine(monkeypatch):
+    for name in ("KIMI_K3_SERVE_API_KEY", "KIMI_K3_SERVE_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    server = _server({"api_key_file": None, "require_api_key": True, "max_choices": 8})
+    started = []
+    server._start_engine = lambda: started.append(1)  # never reached
+    with pytest.raises(ConfigError, match="require_api_key"):
+        asyncio.run(server.start())
+    assert not started
+
+
+def test_without_guards_vllms_app_is_left_as_ray_builds_it():
+    """The ingress path: the LLM replica's app is never served, nothing of ours is added."""
+    client = _client(None)
+    assert client.get(f"/v1/models/{MODEL}").status_code == 200
+
+
+# --- the builder: under direct streaming our app is Ray Serve LLM's direct deployment with the guards ---------------
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_build_app_under_direct_streaming_carries_the_guards_to_the_llm_replica(ray_head, monkeypatch, key_file):
+    """Ray refuses an ingress class in this mode; build_app gives it the LLMConfig alone, and the LLM replica (ours,
+    the ingress now) gets the key file's path and the bound on n. The key itself is nowhere in what is deployed."""
+    from ray.llm._internal.serve.core.ingress import builder
+
+    from conftest import REPO_ROOT
+    from kimi_k3_serve.app import build_app
+    from kimi_k3_serve.config.serve_config import load_serve_app
+
+    monkeypatch.setattr(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", True)  # as RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1
+    raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
+    app = build_app({**raw, "security": {"api_key_file": key_file, "require_api_key": True}})
+    deployment = app._bound_deployment
+    assert issubclass(deployment.func_or_class, LLMServer)  # serve.ingress() over our class: no ingress replica
+    (llm_config,) = [v for v in (*deployment.init_args, *deployment.init_kwargs.values()) if hasattr(v, "experimental_configs")]
+    assert llm_config.experimental_configs[GUARDS_KEY] == {"api_key_file": key_file, "require_api_key": True,
+                                                            "max_choices": 8}
+    assert llm_config.experimental_configs.get("stream_batching_interval_ms") == 0
+    assert KEY not in repr(llm_config)
+    # the default path (direct streaming off) still has our ingress in front
+    monkeypatch.setattr(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", False)
+    assert "OpenAiErrorsIngress" in build_app(raw)._bound_deployment.func_or_class.__name__ or \
+        any("OpenAiErrorsIngress" in c.__name__ for c in build_app(raw)._bound_deployment.func_or_class.__mro__)
