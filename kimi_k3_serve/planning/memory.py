@@ -51,18 +51,30 @@ SAMPLER_FP32_VOCAB_COPIES = 4
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
 probabilities / log-probabilities the sampler derives). Fitted on the H200 Kimi-K3 slice runs at 256 and 1024
 sequences (docs/memory-accuracy.md); the forward's output is still held, so the two add up."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.8 * MiB), "default": 14 * MiB}
-"""Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the second capture's size, times
-the graphs), for the target model. Fitted on H200, vLLM 0.32: a 4-layer Kimi-K3 slice without a draft, TP1
-(estimate 0.98 GiB for 102 graphs) and Llama-3.1-8B, TP1 (0.76 GiB). Not TP-scaled: at TP2 vLLM's was 2.52 GiB where
-this gives 3.51 (2 x H200, 2026-11-30); layer count: ``CUDA_GRAPH_FITTED_LAYERS``. +-50%."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(25.8 * MiB)}
-"""What a draft adds per captured graph (its own forward is captured with the target's). DSpark: the same slice with
-its DSpark draft gave 3.55 GiB for the same 102 graphs (H200, vLLM 0.32). EAGLE3: not measured (0)."""
-CUDA_GRAPH_FITTED_LAYERS = (2, 8)
-"""The stage sizes (layers) the CUDA-graph estimate was measured on: Kimi-K3 slices on the H200, 2026-11-30. vLLM's
-own estimate grew with a stage's layers there (3.55 GiB at 4 layers, 3.82 GiB at 8, with DSpark) and the plan's does
-not; beyond 8 layers the estimate is an extrapolation, and the plan says so."""
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.65 * MiB), "default": 14 * MiB}
+"""Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
+throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
+(in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
+values are set by ``scripts/fit_cuda_graphs.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
+Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(5.17 * MiB), "default": 0}
+"""What one local decoder layer adds per captured graph (fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
+CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
+"""What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
+(a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(20.75 * MiB)}
+"""What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
+heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
+(12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: not fitted (0); its validation runs set the
+band."""
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.36 * MiB)}
+CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "k4-tp1-serve-defaults-dspark",
+                       "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark")
+"""The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
+on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11 and 23 layers, with DSpark and without."""
+CUDA_GRAPH_FITTED_LAYERS = (4, 23)
+"""The stage sizes (layers) the CUDA-graph constants were fitted on; deeper stages are an extrapolation of the
+per-layer term, and the plan says so (the 44- and 49-layer rank slices are validation runs of it)."""
 PRE_SNAPSHOT_CONTEXT = GiB // 2
 PRE_SNAPSHOT_NCCL = GiB
 """CUDA context (~0.5 GiB) and NCCL communicators (~1 GiB at TP >= 2) exist before vLLM's snapshot: they sit
@@ -499,10 +511,10 @@ def estimate_memory(
     if (engine.accelerator == "gpu" and not engine.enforce_eager and deepest.cuda_graph_bytes
             and deepest.local_layers > CUDA_GRAPH_FITTED_LAYERS[1]):
         notes.append(
-            f"CUDA graphs: {deepest.cuda_graph_bytes / GiB:.2f} GiB on rank {deepest.rank} is extrapolated: measured on "
-            f"stages of {CUDA_GRAPH_FITTED_LAYERS[0]}-{CUDA_GRAPH_FITTED_LAYERS[1]} layers, where vLLM's estimate grew "
-            f"with the layers (3.55 GiB at 4, 3.82 GiB at 8 on an H200); this stage has {deepest.local_layers}. "
-            f"`kimi-k3-serve rehearse` measures it")
+            f"CUDA graphs: {deepest.cuda_graph_bytes / GiB:.2f} GiB on rank {deepest.rank} is extrapolated: the "
+            f"per-layer term was fitted on stages of {CUDA_GRAPH_FITTED_LAYERS[0]}-{CUDA_GRAPH_FITTED_LAYERS[1]} layers "
+            f"(H200); this stage has {deepest.local_layers}, and its error band is the one the 44- and 49-layer "
+            f"rank slices showed. `kimi-k3-serve rehearse --rank-of` measures it")
     if layout.dcp > 1:
         notes.append(f"DCP {layout.dcp}: MLA tokens are split across ranks (blocks per request use max_model_len / DCP); "
                      "not covered by the conformance tests")
@@ -803,16 +815,35 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
     largest = min(1024 if cc[0] == 10 else 512, max(seqs, 1) * query_len * 2, mnbt)
     num_sizes = _num_capture_sizes(largest)
-    modes = 2 if model.is_hybrid or model.uses_mla else 1  # FULL_AND_PIECEWISE
+    # FULL_AND_PIECEWISE (hybrid or MLA models): a PIECEWISE graph per capture size, and a FULL graph per uniform
+    # decode batch (v1/worker/gpu/cudagraph_utils.py CudaGraphManager._init_candidates: each size rounded up to a
+    # multiple of the decode query length, up to max_num_seqs of them); the drafter's graphs follow the decode batches.
+    num_full = _num_full_decode_graphs(largest, seqs, query_len) if model.is_hybrid or model.uses_mla else 0
+    graphs = num_sizes + num_full
     shared = _forward_activation(model, layout, largest, start, end)
-    per_graph = CUDA_GRAPH_PER_GRAPH.get(model.family, CUDA_GRAPH_PER_GRAPH["default"])
-    if engine.speculative is not None and stage == layout.pp - 1:
-        per_graph += CUDA_GRAPH_DRAFT_PER_GRAPH.get(engine.speculative.method, 0)
-    est = shared + num_sizes * modes * per_graph
+    family = model.family if model.family in CUDA_GRAPH_PER_GRAPH else "default"
+    per_graph = CUDA_GRAPH_PER_GRAPH[family] + CUDA_GRAPH_PER_HEAD[family] * max(1, model.num_attention_heads // layout.tp)
+    est = shared + CUDA_GRAPH_PER_LAYER[family] * (end - start) + graphs * per_graph
+    spec = engine.speculative
+    draft = ""
+    if spec is not None and stage == layout.pp - 1:
+        heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp)) if spec.draft is not None else 0
+        per_draft_graph = CUDA_GRAPH_DRAFT_PER_GRAPH.get(spec.method, 0) + CUDA_GRAPH_DRAFT_PER_HEAD.get(spec.method, 0) * heads
+        est += num_full * per_draft_graph
+        draft = f" + {num_full} draft graphs x {per_draft_graph / MiB:.1f} MiB"
     return est, max(est // 2, GiB // 2), (
-        f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {num_sizes} sizes x {modes} modes x "
-        f"{per_graph / MiB:.0f} MiB (fitted, H200 2026-11-30); +-max(50%, 0.5 GiB)"
+        f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {end - start} layers x "
+        f"{CUDA_GRAPH_PER_LAYER[family] / MiB:.1f} MiB + {num_sizes} PIECEWISE and {num_full} FULL graphs x "
+        f"{per_graph / MiB:.1f} MiB{draft} (fitted on H200 fit runs, scripts/fit_cuda_graphs.py)"
     )
+
+
+def _num_full_decode_graphs(largest: int, seqs: int, query_len: int) -> int:
+    """vLLM's FULL uniform-decode graphs: the capture sizes up to ``largest`` rounded up to a multiple of the decode
+    query length, within ``max_num_seqs`` requests, without repeats (``CudaGraphManager._init_candidates``)."""
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16))
+    rounded = {-(-s // query_len) * query_len for s in sizes if s <= largest}
+    return sum(1 for r in rounded if r <= max(seqs, 1) * query_len and r <= largest)
 
 
 @functools.lru_cache(maxsize=64)
