@@ -116,7 +116,8 @@ def _mla_eagle3_bytes_per_rank(c: dict, tp: int) -> int:
     ``DeepseekV2Eagle3DecoderLayer`` = ``DeepseekV2MLAAttention`` (fused q/kv latent ReplicatedLinear-like
     ``disable_tp``, column-parallel ``q_b_proj`` / ``kv_b_proj``, row-parallel ``o_proj``; ``W_UK_T`` / ``W_UV``
     are views of the unquantized ``kv_b_proj``, ``mla_attention.py`` ``split_kv_b_proj``) + ``DeepseekV2MLP`` (merged gate/up column, down row) + three
-    RMSNorms; then a replicated ``fc``, the final norm and a vocab-parallel ``lm_head`` (rows padded to 64)."""
+    RMSNorms; then a replicated ``fc``, the final norm, a vocab-parallel ``lm_head`` (rows padded to 64) and the
+    attention's RoPE cos/sin table (``get_rope`` in the default dtype: ``max_position_embeddings x qk_rope_head_dim``)."""
     h, heads, inter = c["hidden_size"], c["num_attention_heads"], c["intermediate_size"]
     q_lora, kv_lora, rope = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
     nope, v = c["qk_nope_head_dim"], c["v_head_dim"]
@@ -134,6 +135,7 @@ def _mla_eagle3_bytes_per_rank(c: dict, tp: int) -> int:
     elements += h * c.get("target_hidden_size", h) * aux + h                 # fc, final norm
     padded_vocab = -(-c["draft_vocab_size"] // 64) * 64
     elements += -(-padded_vocab // tp) * h                                   # lm_head
+    elements += c["max_position_embeddings"] * rope                          # rotary_emb.cos_sin_cache, whole
     return elements * 2
 
 

@@ -27,6 +27,7 @@ from kimi_k3_serve.models.inventory import (
     VOCAB,
     ActivationWidths,
     DraftInfo,
+    GenericMlaDims,
     GqaKv,
     LayerInventory,
     MlaKv,
@@ -100,6 +101,20 @@ def _dspark_rope_table(r: ConfigReader, rope_dim: int) -> TensorSpec:
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
         rows = int(rows * float(scaling.get("factor", 1.0)))
     return TensorSpec("rotary_emb.cos_sin_cache", (rows, rope_dim), "float32", REPLICATED, "runtime_copies", in_checkpoint=False)
+
+
+def _eagle3_mla_rope_table(r: ConfigReader, rope_dim: int, dtype: str) -> TensorSpec:
+    """The MLA EAGLE3's RoPE cos/sin table, built while the draft loads (so inside "Model loading took"):
+    ``DeepseekV2MLAAttention`` (vLLM 0.32 deepseek_v2.py) asks ``get_rope(qk_rope_head_dim, max_position_embeddings,
+    rope_parameters, is_neox_style=False)`` without a dtype, so the table takes torch's default dtype while the model
+    is built, the model's (rotary_embedding/__init__.py; base.py ``cache.to(dtype)``): ``[max_position, rope_dim]``,
+    ``x factor`` rows under a scaled rope (deepseek_scaling_rope.py). Not TP-split; Kimi-K3's own MLA (NoPE) has no
+    table to share it with. 128 MiB at Kimi-K3's 1,048,576 positions."""
+    rows = r.require("max_position_embeddings")
+    scaling = r.get("rope_scaling") or r.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+        rows = int(rows * float(scaling.get("factor", 1.0)))
+    return TensorSpec("rotary_emb.cos_sin_cache", (rows, rope_dim), dtype, REPLICATED, "runtime_copies", in_checkpoint=False)
 
 
 def _mla_draft_layer(q: QuantScheme, p: str, hidden: int, cols: int, heads: int, q_lora: int | None, kv_lora: int,
@@ -228,6 +243,7 @@ def _eagle3_mla(config: Mapping[str, Any], architecture: str, *, name: str, sour
     ]
     if r.get("fc_norm", False):
         extra.append(TensorSpec("fc_norm.*.weight", (target_hidden,), dtype, REPLICATED, "draft", count=num_aux))
+    extra.append(_eagle3_mla_rope_table(r, rope, dtype))
     if draft_vocab != vocab:
         # draft_id_to_target_id only; load_weights skips t2d.
         extra.append(TensorSpec("draft_id_to_target_id", (draft_vocab,), "int64", REPLICATED, "draft"))
@@ -237,6 +253,7 @@ def _eagle3_mla(config: Mapping[str, Any], architecture: str, *, name: str, sour
         widths=ActivationWidths(hidden, inter, heads, nope + rope),
         quantization=q.describe(), max_position_embeddings=r.count("max_position_embeddings", 0, minimum=0),
         num_attention_heads=heads, num_kv_heads=heads, draft_extra=tuple(extra),
-        draft=DraftInfo("eagle3", shares_target_embedding=True, shares_target_lm_head=False),
+        draft=DraftInfo("eagle3", shares_target_embedding=True, shares_target_lm_head=False, num_aux_hidden_states=num_aux,
+                        generic_mla=GenericMlaDims(q_lora or 0, kv_lora, nope, rope, v_dim)),
         tp_divisors=(("num_attention_heads", heads), ("intermediate_size", inter)), source=source or name,
     )

@@ -240,6 +240,23 @@ class DraftInfo:
     shares_target_lm_head: bool
     num_speculative_tokens_default: int | None = None
     target_layer_ids: tuple[int, ...] = ()
+    num_aux_hidden_states: int = 0
+    """EAGLE3: how many of the target's hidden states its ``fc`` fuses (vLLM keeps each one through the draft's step)."""
+    generic_mla: GenericMlaDims | None = None
+    """The draft's attention is vLLM's generic ``MLAAttention`` (``layers/attention/mla_attention.py``; the MLA
+    EAGLE3's ``DeepseekV2MLAAttention``), not Kimi-K3's own MLA layer: it allocates differently in the profile run."""
+
+
+@dataclass(frozen=True)
+class GenericMlaDims:
+    """The per-head widths of an MLA draft layer built on vLLM's generic ``MLAAttention``."""
+
+    q_lora_rank: int
+    """0 for a full-rank ``q_proj``."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True, eq=False)

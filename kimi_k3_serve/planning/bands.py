@@ -28,13 +28,15 @@ class Band:
 
 
 WEIGHTS = Band("weights", 0.004, 0,
-               "r44-s1-eagle3-mla (2026-12-01): 95.77 GiB planned, 96.15 GiB loaded (-0.39 %); the TP8 rank slices "
-               "ran 0.26-0.39 % under, the full-width slices under 0.1 %")
+               "r44-s1-eagle3-mla (2026-12-01): 95.77 GiB planned, 96.15 GiB loaded (-0.39 %) before the MLA EAGLE3's "
+               "RoPE table was counted (now -0.26 %); the TP8 rank slices run 0.25-0.29 % under, the full-width slices "
+               "under 0.1 %")
 PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
                "k6-tp1-b8192-s768-dspark-u092 (2026-12-01): 6.23 GiB planned, 6.67 GiB profiled (-0.44 GiB, -6.5 %)")
 CUDA_GRAPHS = Band("cuda_graph_estimate", 0.55, int(0.30 * GiB),
-                   "r44-s1-eagle3-mla (2026-12-01): 0.34 GiB planned, 0.62 GiB estimated by vLLM (-0.28 GiB); r49-s0: "
-                   "0.12 / 0.25 GiB (-53 %)")
+                   "r44-s1-eagle3-mla (2026-12-01): 0.34 GiB planned, 0.62 GiB estimated by vLLM (-0.28 GiB) before "
+                   "the EAGLE3 drafter's graphs were counted (now 0.59 GiB); k8-tp1-serve-defaults-dspark: -0.27 GiB; "
+                   "r49-s0: 0.12 / 0.25 GiB (-53 %)")
 BANDS = (WEIGHTS, PROFILE, CUDA_GRAPHS)
 
 

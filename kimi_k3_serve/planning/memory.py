@@ -65,8 +65,8 @@ CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(20.75 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
-(12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: not fitted (0); its validation runs set the
-band."""
+(12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: none per target graph; its drafter's own graphs
+are counted instead (``eagle3_draft_graphs``), each at the target's per-graph cost (not fitted on an EAGLE3 run)."""
 CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.36 * MiB)}
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark")
@@ -384,7 +384,9 @@ def estimate_memory(
             weights += eplb_weights
             by_cat = {**by_cat, "routed_experts": by_cat.get("routed_experts", 0) + eplb_weights}
         draft_bytes = _draft_bytes(model, draft, spec, layout, s, engine.load_format) if spec else 0
-        act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft)
+        act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft,
+                                                 (spec.draft_tp or layout.tp) if spec else layout.tp,
+                                                 engine.max_model_len, block_size)
         non_torch = NON_TORCH_TP1 if layout.tp == 1 else NON_TORCH_TP2 if layout.tp == 2 else NON_TORCH_TP_MULTI
         nt_margin = GiB if layout.tp > 1 else GiB // 4
         cg, cg_margin, cg_basis = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
@@ -770,9 +772,11 @@ def _padded_state(spec: StatePageSpec, attn_page: int) -> StatePageSpec:
 
 
 def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, end: int, mnbt: int, seqs: int,
-                draft: ModelInventory | None) -> tuple[int, int, str]:
+                draft: ModelInventory | None, draft_tp: int = 1, max_model_len: int = 0,
+                block_size: int = 0) -> tuple[int, int, str]:
     """Peak transient memory of vLLM's profile run: one forward at ``max_num_batched_tokens`` tokens, then, on the
-    last stage, the sampler at ``max_num_seqs`` requests while the forward's output is still held (the two add up)."""
+    last stage, the sampler at ``max_num_seqs`` requests while the forward's output is still held (the two add up).
+    An MLA EAGLE3 draft's own step can set the peak instead (``eagle3_mla_profile_bytes``): the larger is taken."""
     # With DP x EP, vLLM 0.32's default all2all (AgRsAll2AllManager, distributed/device_communicators/all2all.py;
     # MoEPrepareAndFinalizeNaiveDPEPModular, fused_moe/prepare_finalize/naive_dp_ep.py) all-gathers every DP rank's
     # tokens before the experts, so each rank's MoE runs on dp x the batch in the profile run.
@@ -785,7 +789,68 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             peak += mnbt * draft.hidden_size * 2 * 6
         peak += seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES
         basis += f" + sampler at max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES} fp32 copies, fitted)"
+        if draft is not None and draft.draft is not None and draft.draft.generic_mla is not None:
+            held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len, block_size,
+                                                       layout.dcp)
+            # The MoE buffers of the shared workspace, grown in the target's forward, are still held (never freed).
+            w = model.widths
+            moe = 0
+            if w.num_experts and any(model.layers[i].mlp == "moe" for i in range(start, end)):
+                inter = w.moe_intermediate_size if layout.ep else max(w.moe_intermediate_size // layout.tp,
+                                                                      model.expert_min_intermediate_per_rank)
+                moe = moe_buffer_bytes(mnbt * gathered, w.experts_per_token, inter, w.moe_hidden_size)
+            step = moe + held + simulated
+            basis += (f"; or the draft's step, if larger ({step / GiB:.2f} GiB): MoE buffers {moe / GiB:.2f} + "
+                      f"{held / GiB:.2f} held + its MLA's profile-run stand-in for the chunked-context kv_b_proj "
+                      f"output {simulated / GiB:.2f} (exact shapes, vLLM mla_attention.py forward_impl)")
+            peak = max(peak, step)
     return peak, max(peak // 4, 256 * MiB), basis + "; +-25% (H200 residuals <= 0.3 GiB)"
+
+
+MLA_CHUNKED_PREFILL_MAX_ROWS = 64 * 1024
+"""``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size``'s cap (vLLM 0.32 mla_attention.py)."""
+
+
+def mla_chunked_prefill_rows(max_model_len: int, max_num_seqs: int, block_size: int, dcp: int = 1) -> int:
+    """Rows of vLLM 0.32's MLA chunked-prefill workspace: ``min(max(8 x max_model_len, 4 x max_num_seqs x
+    block_size), 64 Ki)``, rounded up to the cache block (``align_mla_chunked_context_workspace_size``; under DCP to
+    ``lcm(block, dcp x cp_kv_cache_interleave_size)``, the interleave taken as its default 1). ``block_size`` is the
+    cache config's, which a hybrid model has already raised to its attention block (5,888 tokens at full width)."""
+    rows = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), MLA_CHUNKED_PREFILL_MAX_ROWS)
+    align = max(block_size, 1) if dcp <= 1 else math.lcm(max(block_size, 1), dcp)
+    return cdiv(max(rows, align), align) * align
+
+
+def eagle3_mla_profile_bytes(model: ModelInventory, draft: ModelInventory, draft_tp: int, tokens: int, seqs: int,
+                             max_model_len: int, block_size: int, dcp: int = 1) -> tuple[int, int]:
+    """What vLLM 0.32's profile run holds at the peak of an MLA EAGLE3 draft's step, as (held, stand-in) bytes.
+
+    ``profile_run`` -> ``_dummy_run(max_num_batched_tokens, skip_attn=True)`` (v1/worker/gpu/model_runner.py) runs the
+    target with no attention metadata, keeps its output and its aux hidden states, and runs the drafter's
+    ``propose`` on the same tokens, eagerly (target_dependent_ar/speculator.py: ``combine_hidden_states``, then
+    ``_prefill`` over every token). The draft's first layer (deepseek_eagle3.py) is ``DeepseekV2MLAAttention`` over
+    vLLM's generic ``MLAAttention``, whose ``forward_impl`` with no metadata "simulates the worst case" of the
+    chunked-context ``kv_b_proj`` output: ``torch.empty(chunked_prefill_workspace_size, local heads,
+    qk_nope + v_head)`` (layers/attention/mla_attention.py). Kimi-K3's own MLA (target and DSpark) zero their output
+    instead (models/kimi_k3/nvidia/mla.py ``_attention``), so only this draft pays it.
+
+    Held at that moment, ``tokens`` rows each, in the model dtype: the target's last hidden state and its
+    ``num_aux`` aux hidden states (``_dummy_run``), the fused ``fc`` output (``propose``), the draft's input
+    embedding and its normed copy, ``cat([embeds, hidden])`` (2 x hidden), ``fused_qkv_a_proj``'s output
+    (q_lora + kv_lora + rope) and the normed q/kv latents, ``q`` (local heads x (nope + rope)) and the attention
+    output (local heads x v). The target's forward temporaries are freed by then; the MoE workspace is not (the
+    caller adds it). 4.75 GiB at full width (96 heads, 70,656 rows), 1.48 GiB on a TP8 rank (12 heads)."""
+    g = draft.draft.generic_mla
+    b = DTYPE_BITS.get(draft.dtype, 16) // 8
+    heads = max(1, draft.num_attention_heads // max(draft_tp, 1))
+    hidden, target_hidden = draft.hidden_size, model.hidden_size
+    aux = draft.draft.num_aux_hidden_states or 3
+    latent = g.q_lora_rank + g.kv_lora_rank + g.qk_rope_head_dim
+    normed = g.q_lora_rank + g.kv_lora_rank
+    width = (target_hidden * (1 + aux) + hidden * 3 + 2 * hidden + latent + normed
+             + heads * (g.qk_nope_head_dim + g.qk_rope_head_dim) + heads * g.v_head_dim)
+    rows = mla_chunked_prefill_rows(max_model_len, seqs, block_size, dcp)
+    return tokens * width * b, rows * heads * (g.qk_nope_head_dim + g.v_head_dim) * b
 
 
 def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, start: int, end: int,
@@ -830,7 +895,11 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp)) if spec.draft is not None else 0
         per_draft_graph = CUDA_GRAPH_DRAFT_PER_GRAPH.get(spec.method, 0) + CUDA_GRAPH_DRAFT_PER_HEAD.get(spec.method, 0) * heads
         est += num_full * per_draft_graph
-        draft = f" + {num_full} draft graphs x {per_draft_graph / MiB:.1f} MiB"
+        draft = f" + {num_full} draft graphs x {per_draft_graph / MiB:.1f} MiB" if per_draft_graph else ""
+        if spec.method == "eagle3":
+            drafter = eagle3_draft_graphs(largest, seqs, spec.num_speculative_tokens, num_full > 0)
+            est += drafter * per_graph
+            draft += f" + the EAGLE3 drafter's {drafter} graphs, captured in full, at the target's per-graph cost"
     return est, max(est // 2, GiB // 2), (
         f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {end - start} layers x "
         f"{CUDA_GRAPH_PER_LAYER[family] / MiB:.1f} MiB + {num_sizes} PIECEWISE and {num_full} FULL graphs x "
@@ -844,6 +913,25 @@ def _num_full_decode_graphs(largest: int, seqs: int, query_len: int) -> int:
     sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16))
     rounded = {-(-s // query_len) * query_len for s in sizes if s <= largest}
     return sum(1 for r in rounded if r <= max(seqs, 1) * query_len and r <= largest)
+
+
+def eagle3_draft_graphs(largest: int, seqs: int, num_spec: int, full_and_piecewise: bool) -> int:
+    """The EAGLE3 drafter's CUDA graphs, which ``profile_cudagraph_memory`` captures in full (v1/worker/gpu/
+    cudagraph_utils.py; only the target's FULL graphs are sampled). ``TargetDependentARSpeculator.
+    init_cudagraph_manager`` (spec_decode/target_dependent_ar/speculator.py) builds a prefill manager in the target's
+    mode with ``decode_query_len = k + 1``: a PIECEWISE graph per capture size and, under FULL_AND_PIECEWISE, a FULL
+    graph per uniform-decode size (``CudaGraphManager._init_candidates``: ``round_up(size, k + 1)`` within
+    ``max_num_seqs x (k + 1)`` and the largest size); and, for k > 1 under a FULL decode mode, a FULL_DECODE_ONLY
+    decode manager with one token per request: a FULL graph per capture size up to ``max_num_seqs``. 51 + 33 + 11 at
+    512 / 64 sequences / k = 3, as vLLM logged on the H200 (2026-12-01)."""
+    sizes = [s for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16)) if s <= largest]
+    graphs = len(sizes)
+    if full_and_piecewise:
+        q = num_spec + 1
+        graphs += len({cdiv(s, q) * q for s in sizes if cdiv(s, q) * q <= min(seqs * q, largest)})
+        if num_spec > 1:
+            graphs += sum(1 for s in sizes if s <= seqs)
+    return graphs
 
 
 @functools.lru_cache(maxsize=64)
