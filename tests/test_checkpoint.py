@@ -21,8 +21,8 @@ from kimi_k3_serve import cli
 from kimi_k3_serve.checkpoint import local_copy
 from kimi_k3_serve.checkpoint.listing import filesystem_of, listing_from_fs, read_listing
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.planning.checkpoint import (CheckpointFile, CheckpointListing, disk_verdict, estimate_times, node_index,
-                                               plan_checkpoint, replica_node_stages, synthetic_listing, tensor_stages)
+from kimi_k3_serve.planning.checkpoint import (CheckpointFile, CheckpointListing, NodeBandwidth, NodeLoad, disk_verdict,
+                                               node_index, plan_checkpoint, replica_node_stages, synthetic_listing, tensor_stages)
 from kimi_k3_serve.planning.layout import Layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,8 +89,11 @@ def test_disk_verdict_and_time_estimate():
     verdict = disk_verdict("n1", "/mnt/x", need_bytes=10 * 2**30, present_bytes=4 * 2**30, free_bytes=5 * 2**30)
     assert not verdict.fits and verdict.refusal() == "node n1: download folder /mnt/x needs 6.00 GiB more, has 5.00 GiB free"
     assert disk_verdict("n1", "/mnt/x", need_bytes=10, free_bytes=None).fits
-    times = estimate_times(10**12, network_bytes_per_s=10**10, disk_read_bytes_per_s=10**9)
-    assert (times.download_s, times.load_s) == (100.0, 1000.0)
+    times = NodeLoad("n1", 10**12, False, NodeBandwidth(10**9, 2 * 10**9, "test"))
+    assert (times.download_s, times.read_s, times.start_s) == (1000.0, 500.0, 1500.0)
+    slow_disk = NodeLoad("n1", 10**12, False, NodeBandwidth(10**10, 10**9, "test"))
+    assert (slow_disk.download_s, slow_disk.read_s) == (1000.0, 1000.0)  # the download writes onto that disk
+    assert NodeLoad("n1", 10**12, True, NodeBandwidth(10**10, 10**9, "test")).start_s == 1000.0  # prefetched: read only
 
 
 def test_kimi_k3_per_stage_copy_against_every_node_reading_everything():
@@ -276,8 +279,13 @@ def test_check_prints_per_node_bytes_disk_and_time_and_refuses_a_small_volume(tm
     assert code == 0
     nodes = document["checkpoint"]["nodes"]
     assert [n["stages"] for n in nodes] == [[0], [1]] and nodes[0]["free_bytes"] == 3000 * 2**30
-    assert nodes[0]["disk_read_bytes_per_s"] == 125 * 2**20 and nodes[0]["network_bytes_per_s"] == 12_500_000_000
-    assert nodes[0]["load_s"] == pytest.approx(nodes[0]["bytes"] / (125 * 2**20))
+    # the launcher file's gp3 volume, provisioned to 1,000 MiB/s; p5en's network from the catalogue
+    assert nodes[0]["disk_read_bytes_per_s"] == 1000 * 2**20 and nodes[0]["network_bytes_per_s"] == 12_500_000_000
+    assert nodes[0]["load_s"] == pytest.approx(nodes[0]["bytes"] / (1000 * 2**20)) == nodes[0]["download_s"]
+    startup = document["checkpoint"]["startup"]  # the budgets from the same per-node estimates
+    assert startup["load_s"] == pytest.approx(nodes[0]["start_s"]) and startup["node_type"] == "p5en.48xlarge"
+    assert startup["engine_start_timeout_s"] == int(startup["configured_timeout_s"])  # what deploy/config.yaml carries
+    assert any(line.startswith("Start-up budget (kimi_k3_serve.planning.startup)") for line in document["checks"])
     small = tmp_path / "small.yaml"
     small.write_text(cluster.replace("VolumeSize: 3000", "VolumeSize: 1000"))
     code = cli.main(["check", "--config", str(REPO / "deploy/config.yaml"), "--cluster", str(small)])

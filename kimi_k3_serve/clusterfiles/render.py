@@ -284,8 +284,11 @@ class ClusterFileRequest:
     """How long an idle GPU node is kept. Long: a replica takes many minutes to load 1.5 TB of weights,
     so releasing nodes on a short lull costs more than it saves."""
     startup: StartupBudgets | None = None
-    """The replica's start-up budgets (``planning.startup``): written into the header, and into a KubeRay file's
-    worker liveness probe."""
+    """The replica's start-up budgets on this file's node type (``planning.startup``): written into the header, and
+    into a KubeRay file's worker liveness probe."""
+    deploy_startup: StartupBudgets | None = None
+    """The budgets the deploy config's ``RAYLLM_ENGINE_START_TIMEOUT_S`` carries (the slowest node type ``render``
+    writes for the GPU); None: this file's own."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -380,9 +383,25 @@ def _header(request: ClusterFileRequest, what: str, how: str) -> list[str]:
     if request.startup is not None:
         lines.append("#")
         lines.extend(f"# {line}" for line in request.startup.lines())
+        deploy = request.deploy_startup or request.startup
         lines.append(f"# The deploy config's runtime_env sets RAYLLM_ENGINE_START_TIMEOUT_S: "
-                     f"\"{request.startup.engine_start_timeout_s}\" (a test checks that it does).")
+                     f"\"{deploy.engine_start_timeout_s}\" (a test checks that it does): "
+                     + deploy_budget_why(deploy, request.shape.gpu) + ".")
     return lines
+
+
+def deploy_budget_why(deploy: StartupBudgets, gpu: str) -> str:
+    """Why a deploy config carries the budget it does: the slowest node type ``render`` writes a file for (the
+    timeout must hold on every one of them; a longer one only waits longer for a replica that is stuck)."""
+    return f"the budget on {deploy.node_type}, the slowest node type `kimi-k3-serve render` writes for {gpu}"
+
+
+AWS_WORKER_VOLUME = {"VolumeSize": 3000, "VolumeType": "gp3", "Iops": 4000, "Throughput": 1000}
+"""The GPU worker's EBS volume in an AWS launcher file: the download folder (the hub cache, or
+``args.model.download_dir``). gp3 with its throughput provisioned to its most, 1,000 MiB/s (``Iops`` 4,000: AWS allows
+at most 0.25 MiB/s per provisioned IOPS): at gp3's baseline 125 MiB/s, writing and then reading the 1.56 TB
+checkpoint would take 6.6 h on every node. ``check`` and the start-up budgets read this volume's throughput
+(``hardware.ebs_volume_read``)."""
 
 
 GPU_IMAGE = f"kimi-k3-serve:{__version__}-gpu"
@@ -504,7 +523,10 @@ def _render_launcher_aws(request: ClusterFileRequest) -> str:
             "      # EDIT: a capacity reservation / placement group and EFA network interfaces for cross-node NCCL.",
             "      BlockDeviceMappings:",
             "        - DeviceName: /dev/sda1",
-            "          Ebs: {VolumeSize: 3000, VolumeType: gp3}  # the 1.56 TB checkpoint plus the image",
+            "          # The download folder: the 1.56 TB checkpoint plus the image, on gp3 provisioned to its most throughput",
+            "          # (1,000 MiB/s; Iops 4,000 for it): at the 125 MiB/s baseline, writing then reading the checkpoint takes",
+            "          # 6.6 h per node. Or put the folder (args.model.download_dir) on the instance's local NVMe.",
+            f"          Ebs: {_flow(AWS_WORKER_VOLUME)}",
         ],
     )
     return "\n".join(lines) + "\n"

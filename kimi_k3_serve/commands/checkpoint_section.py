@@ -7,7 +7,11 @@ Where the numbers come from:
   bytes per layer, ``save_pretrained``'s 5 GB shard cuts), and the line says so;
 - free disk: on a live cluster a Ray task per node (``shutil.disk_usage`` of the folder on that node, less what it
   already holds of its files); on a declared cluster the launcher file's EBS volume (``VolumeSize``), else unknown;
-- bandwidth: ``hardware.lookup_node_io`` (network) and the EBS volume type or ``Throughput`` (disk read).
+- bandwidth: ``planning.checkpoint.node_bandwidth``: the catalogue's network for the node's instance type
+  (``hardware.NODE_IO``), the cluster file's EBS volume (``hardware.ebs_volume_read``: its ``Throughput``, else its
+  type's), ``hardware.DEFAULT_NODE_IO`` where either is not known (a KubeRay file, a live node), said in the line;
+- the load estimate: ``planning.checkpoint.node_load``, the one the start-up budgets (``planning.startup``) use;
+  ``check`` prints those budgets under the per-node lines.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kimi_k3_serve.config.args import ServeArgs, resolve_source, source_kind
-from kimi_k3_serve.planning.checkpoint import (CheckpointListing, CheckpointPlan, DiskVerdict, NodeNeed, disk_verdict,
-                                               estimate_times, plan_checkpoint, synthetic_listing)
-from kimi_k3_serve.units import GiB, MiB, fmt_size
+from kimi_k3_serve.planning.checkpoint import (CheckpointListing, CheckpointPlan, DiskVerdict, NodeBandwidth, NodeNeed,
+                                               disk_verdict, node_bandwidth, node_load, plan_checkpoint,
+                                               synthetic_listing)
+from kimi_k3_serve.units import GiB, fmt_size
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,8 @@ class DeclaredDisk:
     volume_bytes: int | None
     read_bytes_per_s: int | None
     source: str
+    read_source: str | None = None
+    """Where ``read_bytes_per_s`` comes from (or why there is none)."""
 
 
 def declared_disks(cluster_path: str) -> dict[str, DeclaredDisk]:
@@ -34,7 +41,7 @@ def declared_disks(cluster_path: str) -> dict[str, DeclaredDisk]:
     ``InstanceType``, the largest ``BlockDeviceMappings[].Ebs`` volume, its ``VolumeType`` / ``Throughput``)."""
     from kimi_k3_serve.cluster.files import ray_document
     from kimi_k3_serve.inputs import load_yaml, read_text_file
-    from kimi_k3_serve.planning.hardware import EBS_VOLUME_READ
+    from kimi_k3_serve.planning.hardware import ebs_volume_read
 
     document = ray_document(load_yaml(read_text_file(cluster_path, "cluster", what="a cluster file"), "cluster",
                                       cluster_path, all_documents=True), source=cluster_path)
@@ -50,11 +57,9 @@ def declared_disks(cluster_path: str) -> dict[str, DeclaredDisk]:
             continue
         volume = max(volumes, key=lambda v: v["VolumeSize"])
         kind = str(volume.get("VolumeType", "gp3"))
-        rate, why = EBS_VOLUME_READ.get(kind, (None, f"EBS {kind}: no declared throughput"))
-        if isinstance(volume.get("Throughput"), int):
-            rate, why = volume["Throughput"] * MiB, f"EBS {kind} Throughput: {volume['Throughput']} MiB/s (cluster file)"
+        rate, why = ebs_volume_read(volume)
         out[name] = DeclaredDisk(instance, volume["VolumeSize"] * GiB, rate,
-                                 f"EBS {kind} {volume['VolumeSize']:,} GiB (cluster file); read: {why}")
+                                 f"EBS {kind} {volume['VolumeSize']:,} GiB (cluster file); read: {why}", why)
     return out
 
 
@@ -93,7 +98,7 @@ class NodeRow:
     need: NodeNeed
     instance: str | None
     verdict: DiskVerdict
-    disk_read_bytes_per_s: int | None
+    bandwidth: NodeBandwidth
 
 
 @dataclass(frozen=True)
@@ -103,46 +108,54 @@ class CheckpointSection:
     document: dict[str, Any]
 
 
-def node_bytes(args: ServeArgs, plan: CheckpointPlan, need: NodeNeed) -> int:
-    """A node's bytes: its part with a per-node copy (``download_dir``), else the whole checkpoint (vLLM's download)."""
-    return need.bytes if args.model.download_dir else plan.whole_bytes
-
-
 def section(args: ServeArgs, plan: CheckpointPlan, rows: list[NodeRow]) -> CheckpointSection:
-    """Lines, refusals and JSON of the plan and each node's row."""
-    from kimi_k3_serve.planning.hardware import lookup_node_io
+    """Lines, refusals and JSON of the plan, each node's row, and the start-up budgets derived from the same
+    per-node estimates (``planning.startup``)."""
+    from kimi_k3_serve.planning.startup import startup_budgets
 
     estimated = " (estimated from config.json: exact bytes per layer, 5 GB shards; --checkpoint-index read lists it)" \
         if plan.target.estimated else ""
     lines = [f"checkpoint: {plan.target.source}: {fmt_size(plan.target.total_bytes)} in {len(plan.target.files)} files"
              f"{estimated}" + (f"; draft {plan.draft.source}: {fmt_size(plan.draft.total_bytes)}" if plan.draft else "")]
     per_copy = args.model.download_dir is not None
-    nodes_json, refusals = [], []
+    nodes_json, refusals, loads = [], [], []
     for row in rows:
-        nbytes = node_bytes(args, plan, row.need)
-        io = lookup_node_io(row.instance)
-        times = estimate_times(nbytes, network_bytes_per_s=io.network_bytes_per_s if io else None,
-                               disk_read_bytes_per_s=row.disk_read_bytes_per_s)
+        load = node_load(plan, row.need, node=f"{row.name}, {row.need.describe_stages()}", per_node_copy=per_copy,
+                         bandwidth=row.bandwidth)
+        loads.append(load)
         verdict = row.verdict
         free = ("free disk not declared" if verdict.free_bytes is None
                 else f"{fmt_size(verdict.free_bytes)} free in {verdict.folder}")
-        lines.append(f"checkpoint node {row.name} ({row.need.describe_stages()}): needs {fmt_size(nbytes)}"
+        lines.append(f"checkpoint node {row.name} ({row.need.describe_stages()}): needs {fmt_size(load.nbytes)}"
                      f"{'' if per_copy else ' (the whole checkpoint: no args.model.download_dir)'}; {free}; "
-                     f"{times.describe()}")
+                     f"{load.describe()}")
         if not verdict.fits:
             refusals.append(verdict.refusal())
-        nodes_json.append({"node": row.name, "stages": list(row.need.stages), "bytes": nbytes, "folder": verdict.folder,
-                           "free_bytes": verdict.free_bytes, "missing_bytes": verdict.need_bytes, "fits": verdict.fits,
-                           "download_s": times.download_s, "load_s": times.load_s,
-                           "network_bytes_per_s": times.network_bytes_per_s,
-                           "disk_read_bytes_per_s": times.disk_read_bytes_per_s})
+        nodes_json.append({"node": row.name, "stages": list(row.need.stages), "bytes": load.nbytes,
+                           "folder": verdict.folder, "free_bytes": verdict.free_bytes,
+                           "missing_bytes": verdict.need_bytes, "fits": verdict.fits, **load.to_json()})
     split = sum(n.bytes for n in plan.nodes)
     lines.append(f"checkpoint per replica: {fmt_size(split)} with a per-node copy (prefetch), "
                  f"{fmt_size(plan.whole_total_bytes)} when each of its {len(plan.nodes)} node(s) reads the whole checkpoint")
+    startup = None
+    if loads:
+        budgets = startup_budgets(nodes=loads, node_type=rows[0].instance)
+        lines += list(budgets.lines())
+        configured = (args.runtime_env.env_vars or {}).get("RAYLLM_ENGINE_START_TIMEOUT_S") if args.runtime_env else None
+        startup = {**budgets.to_json(), "configured_timeout_s": configured}
+        if configured is None:
+            lines.append(f"  The deploy config sets no RAYLLM_ENGINE_START_TIMEOUT_S: Ray Serve LLM's 3600 s applies"
+                         + (f", shorter than this budget: set it to \"{budgets.engine_start_timeout_s}\""
+                            if budgets.engine_start_timeout_s > 3600 else ""))
+        elif str(configured).isdigit() and int(configured) < budgets.engine_start_timeout_s:
+            lines.append(f"  warning: the deploy config's RAYLLM_ENGINE_START_TIMEOUT_S \"{configured}\" is shorter than "
+                         f"this budget: set it to \"{budgets.engine_start_timeout_s}\"")
+        else:
+            lines.append(f"  The deploy config's RAYLLM_ENGINE_START_TIMEOUT_S \"{configured}\" covers it.")
     document = {"source": plan.target.source, "estimated": plan.target.estimated, "total_bytes": plan.target.total_bytes,
                 "files": len(plan.target.files), "draft_bytes": plan.draft.total_bytes if plan.draft else 0,
                 "stage_ranges": [list(r) for r in plan.stage_ranges], "per_node_copy": per_copy, "nodes": nodes_json,
-                "replica_bytes_split": split, "replica_bytes_whole": plan.whole_total_bytes}
+                "replica_bytes_split": split, "replica_bytes_whole": plan.whole_total_bytes, "startup": startup}
     return CheckpointSection(tuple(lines), tuple(refusals), document)
 
 
@@ -154,11 +167,15 @@ def declared_rows(args: ServeArgs, plan: CheckpointPlan, cluster_path: str, inve
     disk = disks.get(node_type or "", DeclaredDisk(None, None, None, "not declared"))
     folder = (args.model.download_dir or "the Hugging Face cache") + (
         f" (free: the whole {disk.source.split(' (')[0]} volume)" if disk.volume_bytes else "")
+    bandwidth = node_bandwidth(disk.instance, disk_read_bytes_per_s=disk.read_bytes_per_s,
+                               disk_source=disk.read_source or "the cluster file declares no volume",
+                               unknown="the cluster file names no instance type")
     rows = []
     for need in plan.nodes:
         name = f"{need.position + 1} of {len(plan.nodes)} [{node_type or 'node'}]"
-        verdict = disk_verdict(name, folder, need_bytes=node_bytes(args, plan, need), free_bytes=disk.volume_bytes)
-        rows.append(NodeRow(name, need, disk.instance, verdict, disk.read_bytes_per_s))
+        verdict = disk_verdict(name, folder, need_bytes=plan.node_bytes(need, per_node_copy=args.model.download_dir
+                                                                         is not None), free_bytes=disk.volume_bytes)
+        rows.append(NodeRow(name, need, disk.instance, verdict, bandwidth))
     return rows
 
 
@@ -174,4 +191,7 @@ def live_rows(args: ServeArgs, plan: CheckpointPlan) -> list[NodeRow]:
     else:  # vLLM downloads the whole checkpoint into the node's hub cache
         whole = [{"name": f.name, "size": f.size_bytes} for f in plan.target.files if not f.is_other_weights]
         specs = [{"folder": None, "parts": [{"subdir": ".", "files": whole}]} for _ in assignments]
-    return [NodeRow(a.node.node_id, a.need, None, verdict, None) for a, verdict in pf.check_disks(assignments, specs)]
+    # A live node's instance type is not known here (Ray does not report it): the default, said in the line.
+    bandwidth = node_bandwidth(None, disk_source="a live node's volume is not measured",
+                               unknown="a live node: Ray does not report its instance type")
+    return [NodeRow(a.node.node_id, a.need, None, verdict, bandwidth) for a, verdict in pf.check_disks(assignments, specs)]

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.inputs import read_text_file
 from kimi_k3_serve.planning.hardware import lookup_gpu
-from kimi_k3_serve.planning.startup import INTERIM_BANDWIDTH, NodeLoad, StartupBudgets, stage_checkpoint_bytes, startup_budgets
+from kimi_k3_serve.planning.startup import StartupBudgets, startup_budgets
 from kimi_k3_serve.clusterfiles.render import (
+    AWS_WORKER_VOLUME,
     FORMATS,
+    OFFERINGS,
     PLATFORM_OF_FORMAT,
     ClusterFileRequest,
     ReplicaScaling,
@@ -116,30 +118,63 @@ def plan_verdict(plan: Any) -> tuple[str, ...]:
     )
 
 
-def node_loads_of_plan(plan: Any) -> tuple[NodeLoad, ...]:
-    """What each node of the replica fetches and reads, as things stand without a prefetch: Ray Serve LLM downloads
-    the whole checkpoint on every node of the placement group (``NodeModelDownloadable.MODEL_AND_TOKENIZER``), and
-    vLLM reads the tensors of the stages whose ranks the node holds (the planner's stage split)."""
-    from kimi_k3_serve.planning.memory import stage_layer_ranges
+def offering_bandwidth(offering: Any):
+    """The bandwidths of a node type as the file ``render`` writes for it declares them: the catalogue's network
+    (``hardware.NODE_IO``) and, on AWS, the worker's EBS volume (``AWS_WORKER_VOLUME``, read as ``check`` reads a
+    launcher file); the default (``hardware.DEFAULT_NODE_IO``) for what is not known, and the source says so."""
+    from kimi_k3_serve.planning.checkpoint import node_bandwidth
+    from kimi_k3_serve.planning.hardware import ebs_volume_read
 
-    per_stage = stage_checkpoint_bytes(plan.model, stage_layer_ranges(plan.model.num_layers, plan.layout))
-    stages_of: dict[str, set[int]] = {}
-    for placement in plan.placements:
-        stages_of.setdefault(placement.node_id, set()).add(placement.pp_stage)
-    download = plan.model.checkpoint_bytes
-    return tuple(
-        NodeLoad(f"{node} (stage {'/'.join(str(s) for s in sorted(stages))})", download, sum(per_stage[s] for s in stages))
-        for node, stages in sorted(stages_of.items())
-    )
+    if offering.platform == "aws":
+        rate, why = ebs_volume_read(AWS_WORKER_VOLUME)
+        return node_bandwidth(offering.name, disk_read_bytes_per_s=rate, disk_source=why)
+    why = {"gcp": "the worker's persistent disk: no declared throughput",
+           "kubernetes": "a pod's volume is the cluster's, not in this file",
+           "fake": "fake nodes"}.get(offering.platform)
+    return node_bandwidth(offering.name, disk_source=why)
 
 
-def startup_of_plan(plan: Any) -> StartupBudgets:
-    """The start-up budgets of one replica of ``plan`` on its node type (interim bandwidths: ``INTERIM_BANDWIDTH``)."""
-    return startup_budgets(
-        nodes=node_loads_of_plan(plan),
-        network_bytes_per_s=INTERIM_BANDWIDTH.network_bytes_per_s,
-        disk_read_bytes_per_s=INTERIM_BANDWIDTH.disk_read_bytes_per_s,
-    )
+def startup_on(args: ServeArgs, offering: Any, plan: Any = None) -> StartupBudgets:
+    """The start-up budgets of one replica of ``args`` on ``offering``'s nodes: each node's load
+    (``planning.checkpoint.node_load``, the estimate ``check`` prints) at the node type's bandwidths."""
+    from kimi_k3_serve.commands.checkpoint_section import checkpoint_plan
+    from kimi_k3_serve.planning.checkpoint import node_load
+
+    plan = plan or checkpoint_plan(args, ranks_per_node=offering.gpus, mode="auto")
+    bandwidth = offering_bandwidth(offering)
+    per_copy = args.model.download_dir is not None
+    loads = [node_load(plan, need, node=f"{need.position + 1} of {len(plan.nodes)} [{offering.name}], "
+                                       f"{need.describe_stages()}", per_node_copy=per_copy, bandwidth=bandwidth)
+             for need in plan.nodes]
+    return startup_budgets(nodes=loads, node_type=offering.name)
+
+
+def deploy_startup(args: ServeArgs) -> StartupBudgets:
+    """The budgets a deploy config carries (``RAYLLM_ENGINE_START_TIMEOUT_S``): the slowest of the node types
+    ``render`` writes a file for with the config's GPU, so that the timeout holds on each."""
+    from kimi_k3_serve.commands.checkpoint_section import checkpoint_plan
+
+    gpu = lookup_gpu(args.accelerator.type)
+    offerings = [o for o in OFFERINGS if o.gpu == gpu.name and o.platform != "fake"]
+    plans: dict[int, Any] = {}
+    budgets = []
+    for offering in offerings:
+        if offering.gpus not in plans:
+            plans[offering.gpus] = checkpoint_plan(args, ranks_per_node=offering.gpus, mode="auto")
+        budgets.append(startup_on(args, offering, plans[offering.gpus]))
+    return max(budgets, key=lambda b: (b.engine_start_timeout_s, b.load_s))
+
+
+def deploy_comment(args: ServeArgs) -> tuple[str, ...]:
+    """The comment above a deploy config's ``RAYLLM_ENGINE_START_TIMEOUT_S`` (a test checks the file carries it)."""
+    from kimi_k3_serve.units import GB
+
+    budgets = deploy_startup(args)
+    bw = budgets.slowest.bandwidth
+    return budgets.deploy_comment(
+        f"On {budgets.node_type}, the slowest node type `render` writes for {lookup_gpu(args.accelerator.type).name}: "
+        f"{bw.download_bytes_per_s / GB:,.2f} GB/s download, {bw.disk_read_bytes_per_s / GB:,.2f} GB/s read"
+        + (" (the default: not in the catalogue)." if bw.defaulted else "."))
 
 
 def _display_path(path: Path) -> str:
@@ -201,7 +236,8 @@ def build_request(
         verdict=plan_verdict(replica_plan),
         extra_options=tuple(extra),
         idle_timeout_s=idle_timeout_s,
-        startup=startup_of_plan(replica_plan),
+        startup=startup_on(args, offering),
+        deploy_startup=deploy_startup(args),
     )
 
 

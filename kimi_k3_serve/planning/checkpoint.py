@@ -176,6 +176,11 @@ class CheckpointPlan:
     def whole_total_bytes(self) -> int:
         return self.whole_bytes * len(self.nodes)
 
+    def node_bytes(self, need: NodeNeed, *, per_node_copy: bool) -> int:
+        """What ``need``'s node downloads and reads: its part with a per-node copy (``args.model.download_dir``,
+        filled by ``prefetch``), else the whole checkpoint (Ray Serve LLM downloads it on every node)."""
+        return need.bytes if per_node_copy else self.whole_bytes
+
     def node(self, stages: Iterable[int]) -> NodeNeed | None:
         wanted = tuple(sorted(stages))
         return next((n for n in self.nodes if n.stages == wanted), None)
@@ -234,29 +239,112 @@ def disk_verdict(node: str, folder: str, *, need_bytes: int, present_bytes: int 
 
 
 @dataclass(frozen=True)
-class TimeEstimate:
-    download_s: float | None
-    load_s: float | None
-    network_bytes_per_s: int | None
-    disk_read_bytes_per_s: int | None
+class NodeBandwidth:
+    """The bandwidths that bound one node's checkpoint download and load, and where each comes from."""
+
+    network_bytes_per_s: int
+    disk_read_bytes_per_s: int
+    source: str
+    """Where each number comes from, for people (the catalogue, the cluster file, or the default and why)."""
+    defaulted: bool = False
+    """True when a number is ``hardware.DEFAULT_NODE_IO``'s: the node type or its volume is not known."""
+
+    def __post_init__(self) -> None:
+        for name in ("network_bytes_per_s", "disk_read_bytes_per_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"node_bandwidth.{name}", value, "expected an integer > 0 bytes per second")
+
+    @property
+    def download_bytes_per_s(self) -> int:
+        """A download writes every byte to the download disk: the slower of the network and the disk bounds it
+        (an EBS volume's throughput counts writes as well as reads)."""
+        return min(self.network_bytes_per_s, self.disk_read_bytes_per_s)
+
+
+def node_bandwidth(instance: str | None, *, disk_read_bytes_per_s: int | None = None, disk_source: str | None = None,
+                   unknown: str = "node type not known") -> NodeBandwidth:
+    """A node's bandwidths: the network from the catalogue (``hardware.NODE_IO``) for ``instance``; the disk from
+    the volume the cluster file declares (``disk_read_bytes_per_s``, ``disk_source``: ``hardware.ebs_volume_read``),
+    else the catalogue's; ``hardware.DEFAULT_NODE_IO`` for whatever is not known, and the source says so
+    (``unknown``: why there is no instance type)."""
+    from kimi_k3_serve.planning.hardware import DEFAULT_NODE_IO, lookup_node_io
+
+    io = lookup_node_io(instance)
+    what = instance or unknown
+    if io is not None and io.network_bytes_per_s:
+        network, network_why, net_default = io.network_bytes_per_s, f"{io.instance} (hardware.NODE_IO)", False
+    else:
+        network, network_why, net_default = (DEFAULT_NODE_IO.network_bytes_per_s,
+                                              f"default ({what}: not in hardware.NODE_IO)", True)
+    if disk_read_bytes_per_s:
+        disk, disk_why, disk_default = disk_read_bytes_per_s, disk_source or "declared", False
+    elif io is not None and io.disk_read_bytes_per_s:
+        disk, disk_why, disk_default = io.disk_read_bytes_per_s, f"{io.instance} (hardware.NODE_IO)", False
+    else:
+        disk, disk_why, disk_default = (DEFAULT_NODE_IO.disk_read_bytes_per_s,
+                                        f"default ({disk_source or 'no volume declared'})", True)
+    source = f"network {network / GB:,.2f} GB/s: {network_why}; disk {disk / GB:,.2f} GB/s: {disk_why}"
+    return NodeBandwidth(network, disk, source, defaulted=net_default or disk_default)
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """How long one node takes to get and read its checkpoint files: the one estimate ``check`` prints per node and
+    the start-up budgets (``planning.startup``) rest on."""
+
+    node: str
+    """A name for people: ``1 of 2 [p5en.48xlarge] (stage 0)``, a Ray node id."""
+    nbytes: int
+    """The node's files (``CheckpointPlan.node_bytes``): downloaded, then read by vLLM."""
+    prefetched: bool
+    """True with ``args.model.download_dir``: ``prefetch`` downloads the files before the deploy, so the replica's
+    start only reads them. False: Ray Serve LLM downloads the whole checkpoint on every node as the replica starts."""
+    bandwidth: NodeBandwidth
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool) or self.nbytes < 0:
+            raise ConfigError("node_load.nbytes", self.nbytes, "expected an integer >= 0 bytes")
+
+    @property
+    def download_s(self) -> float:
+        """Lower bound: a source slower than the node (the hub's per-client rate, a bucket prefix) takes longer."""
+        return self.nbytes / self.bandwidth.download_bytes_per_s
+
+    @property
+    def read_s(self) -> float:
+        """vLLM reads every tensor of every file in its folder (``safetensors_weights_iterator``), the node's ranks
+        sharing the page cache: the node reads its files once, at the disk's read bandwidth."""
+        return self.nbytes / self.bandwidth.disk_read_bytes_per_s
+
+    @property
+    def start_s(self) -> float:
+        """What the replica's start waits for on this node: download then read (not overlapped: the order vLLM and
+        Ray Serve LLM follow), or only the read of a prefetched copy."""
+        return self.read_s + (0.0 if self.prefetched else self.download_s)
 
     def describe(self) -> str:
-        def part(seconds: float | None, rate: int | None, what: str) -> str:
-            if seconds is None:
-                return f"{what}: no declared bandwidth"
-            return f"{what} >= {_duration(seconds)} at {rate / GB:,.2f} GB/s"
+        bw = self.bandwidth
+        bound = ("" if bw.download_bytes_per_s == bw.network_bytes_per_s
+                 else f", the disk's: the network gives {bw.network_bytes_per_s / GB:,.2f} GB/s")
+        when = "by prefetch, before the deploy" if self.prefetched else "as the replica starts"
+        return (f"download ({when}) >= {_duration(self.download_s)} at {bw.download_bytes_per_s / GB:,.2f} GB/s{bound}; "
+                f"load from disk >= {_duration(self.read_s)} at {bw.disk_read_bytes_per_s / GB:,.2f} GB/s; "
+                f"bandwidths: {bw.source}")
 
-        return (part(self.download_s, self.network_bytes_per_s, "download") + "; "
-                + part(self.load_s, self.disk_read_bytes_per_s, "load from disk"))
+    def to_json(self) -> dict:
+        bw = self.bandwidth
+        return {"download_s": self.download_s, "load_s": self.read_s, "start_s": self.start_s,
+                "prefetched": self.prefetched, "network_bytes_per_s": bw.network_bytes_per_s,
+                "disk_read_bytes_per_s": bw.disk_read_bytes_per_s, "download_bytes_per_s": bw.download_bytes_per_s,
+                "bandwidth_source": bw.source, "bandwidth_defaulted": bw.defaulted}
 
 
-def estimate_times(nbytes: int, *, network_bytes_per_s: int | None, disk_read_bytes_per_s: int | None) -> TimeEstimate:
-    """Download time at the node's network bandwidth, load time at its disk's read bandwidth (the node's ranks share
-    the page cache, so the node reads its files once). Lower bounds: a source slower than the node's NIC (the hub's
-    per-client rate, a bucket's per-prefix rate) takes longer."""
-    down = nbytes / network_bytes_per_s if network_bytes_per_s else None
-    load = nbytes / disk_read_bytes_per_s if disk_read_bytes_per_s else None
-    return TimeEstimate(down, load, network_bytes_per_s, disk_read_bytes_per_s)
+def node_load(plan: CheckpointPlan, need: NodeNeed, *, node: str, per_node_copy: bool,
+              bandwidth: NodeBandwidth) -> NodeLoad:
+    """One node's load estimate: its bytes as the plan gives them (its stages' files with a per-node copy, else the
+    whole checkpoint) at its bandwidths."""
+    return NodeLoad(node, plan.node_bytes(need, per_node_copy=per_node_copy), per_node_copy, bandwidth)
 
 
 def _duration(seconds: float) -> str:

@@ -369,7 +369,30 @@ EBS_VOLUME_READ: dict[str, tuple[int, str]] = {
     "io2": (4000 * _MiB, "AWS EBS io2 Block Express: at most 4,000 MiB/s per volume (docs.aws.amazon.com/ebs/latest/"
                          "userguide/provisioned-iops.html)"),
 }
-"""EBS volume type -> (its read bandwidth when the launcher file sets no ``Throughput``, source)."""
+"""EBS volume type -> (its read bandwidth when the launcher file sets no ``Throughput``, source). A volume's
+throughput counts reads and writes alike: a download onto it is bound by it too."""
+
+DEFAULT_NODE_IO = NodeIo(
+    "a node type the catalogue does not declare", 1_250_000_000, 2 * 10**9,
+    "10 Gbit/s download (below the front-end NIC of any 8-GPU cloud node: errs long) and 2 GB/s read (one local "
+    "NVMe SSD; a network volume is slower, EBS gp3 at its 125 MiB/s baseline: declare it in a launcher file)",
+)
+"""The bandwidths an estimate takes where the node type or its volume is not known (a KubeRay pod, a live node, a
+machine type ``NODE_IO`` lacks), and why; the output names it."""
+
+
+def ebs_volume_read(volume: dict) -> tuple[int | None, str]:
+    """Read (and write) bandwidth of an EBS volume as a launcher file's ``BlockDeviceMappings[].Ebs`` declares it:
+    its ``Throughput`` (MiB/s) when set, else its ``VolumeType``'s (``EBS_VOLUME_READ``); None for a type not there."""
+    kind = str(volume.get("VolumeType", "gp3"))
+    throughput = volume.get("Throughput")
+    if isinstance(throughput, int) and not isinstance(throughput, bool):
+        return throughput * _MiB, f"EBS {kind} Throughput: {throughput:,} MiB/s (cluster file)"
+    if kind not in EBS_VOLUME_READ:
+        return None, f"EBS {kind}: no declared throughput"
+    rate = EBS_VOLUME_READ[kind][0]
+    return rate, f"EBS {kind} at {rate // _MiB:,} MiB/s (hardware.EBS_VOLUME_READ; the cluster file sets no Throughput)"
+
 
 _NODE_IO = {_key(io.instance): io for io in NODE_IO}
 

@@ -2,8 +2,8 @@
 
 A replica of Kimi-K3 starts in three steps, each bounded by something that kills it when the bound is too short:
 
-1. every node gets its checkpoint files (download at the node's network bandwidth) and vLLM reads its stage's
-   tensors from disk (at the node's disk-read bandwidth); the nodes of a replica do this in parallel;
+1. every node gets its checkpoint files (downloaded as the replica starts, or beforehand by ``prefetch``) and vLLM
+   reads every file in its folder from disk; the nodes of a replica do this in parallel;
 2. vLLM builds the engine: process start, weights post-processing, memory profile, KV cache, CUDA graphs, kernel
    JIT and warmup (``ENGINE_START_S``, measured);
 3. Serve marks the replica running once the constructor returns.
@@ -26,14 +26,18 @@ What bounds each step (read in the installed Ray 2.60 and KubeRay >= 1.5 sources
   traffic only: a pod that is not ready yet is left out of the Serve service and restarted by nothing. It is left
   to KubeRay (a load-time grace there would only hold back traffic from a replica that is already up).
 
-The estimate: per node, ``download_bytes / network_bytes_per_s + read_bytes / disk_read_bytes_per_s`` (download then
-read, not overlapped: the conservative order vLLM and Ray Serve LLM follow), the slowest node binding; then the
-engine start. Margins (stated, not fitted): ``LOAD_MARGIN`` x the load (declared bandwidths are peaks; a shared
-disk, a throttled bucket or a hub mirror runs slower), ``ENGINE_START_MARGIN`` x the engine start (measured on one
-H200 rank; TP8 x PP2 adds NCCL set-up across nodes and the Ray workers' start).
+The estimate is ``planning.checkpoint.NodeLoad``, the same one ``check`` prints per node: the node's bytes
+(``CheckpointPlan.node_bytes``: its stages' files when ``args.model.download_dir`` holds a prefetched copy, else the
+whole checkpoint, which Ray Serve LLM downloads on every node), downloaded at the slower of the node's network and
+disk, then read at the disk's read bandwidth (not overlapped: the conservative order vLLM and Ray Serve LLM follow);
+a prefetched copy is only read (``prefetch`` downloaded it before the deploy). The bandwidths are the node type's
+(``hardware.NODE_IO``, the cluster file's volume through ``hardware.ebs_volume_read``), or
+``hardware.DEFAULT_NODE_IO`` where the node type is not known, and the lines say which. The slowest node binds;
+then the engine start. Margins (stated, not fitted): ``LOAD_MARGIN`` x the load (declared bandwidths are peaks; a
+shared disk, a throttled bucket or a hub mirror runs slower), ``ENGINE_START_MARGIN`` x the engine start (measured
+on one H200 rank; TP8 x PP2 adds NCCL set-up across nodes and the Ray workers' start).
 
-Pure: bytes and bandwidths in, budgets out. The bytes per node and the bandwidths are arguments: the bytes come from
-the planner's stage split (or the checkpoint index, issue 25 part 1), the bandwidths from the node type.
+Pure: per-node load estimates in, budgets out.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.planning.checkpoint import NodeLoad
 from kimi_k3_serve.units import GB
 
 ENGINE_START_S = 360.0
@@ -71,43 +76,10 @@ every 5 s, 2 s timeout, 120 failures (600 s). The rendered probe keeps all but t
 
 
 @dataclass(frozen=True)
-class NodeLoad:
-    """What one node of a replica must fetch and read before its vLLM workers hold their weights."""
-
-    node: str
-    """A name for people: ``stage 0``, a Ray node id, a pod."""
-    download_bytes: int
-    """Bytes the node downloads (0 when its files are already on its disk)."""
-    read_bytes: int
-    """Bytes vLLM reads from the node's disk into its GPUs."""
-
-    def __post_init__(self) -> None:
-        for name in ("download_bytes", "read_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"node_load.{name}", value, "expected an integer >= 0 bytes")
-
-
-@dataclass(frozen=True)
-class NodeEstimate:
-    node: str
-    download_bytes: int
-    read_bytes: int
-    download_s: float
-    read_s: float
-
-    @property
-    def load_s(self) -> float:
-        return self.download_s + self.read_s
-
-
-@dataclass(frozen=True)
 class StartupBudgets:
     """The estimate and the budgets derived from it; every time in seconds."""
 
-    nodes: tuple[NodeEstimate, ...]
-    network_bytes_per_s: int
-    disk_read_bytes_per_s: int
+    nodes: tuple[NodeLoad, ...]
     engine_start_s: float
     load_margin: float
     engine_start_margin: float
@@ -116,14 +88,17 @@ class StartupBudgets:
     liveness_failure_threshold: int
     """Failures of KubeRay's raylet liveness check (every ``KUBERAY_LIVENESS_PERIOD_S``) before the pod restarts:
     at least KubeRay's own 120, and enough to outlast the slowest node's load with its margin."""
+    node_type: str | None = None
+    """The node type the estimate is for (``p5en.48xlarge``, a KubeRay pod), when one is known."""
 
     @property
-    def slowest(self) -> NodeEstimate:
-        return max(self.nodes, key=lambda n: n.load_s)
+    def slowest(self) -> NodeLoad:
+        return max(self.nodes, key=lambda n: n.start_s)
 
     @property
     def load_s(self) -> float:
-        return self.slowest.load_s
+        """What the slowest node's start waits for: its download (unless prefetched) and its read."""
+        return self.slowest.start_s
 
     @property
     def estimate_s(self) -> float:
@@ -134,33 +109,50 @@ class StartupBudgets:
     def liveness_window_s(self) -> int:
         return self.liveness_failure_threshold * KUBERAY_LIVENESS_PERIOD_S
 
-    def deploy_comment(self) -> tuple[str, str]:
-        """The comment a deploy config carries above its ``RAYLLM_ENGINE_START_TIMEOUT_S`` (a test checks both)."""
+    def deploy_comment(self, why: str = "") -> tuple[str, ...]:
+        """The comment a deploy config carries above its ``RAYLLM_ENGINE_START_TIMEOUT_S`` (a test checks it).
+        ``why``: a third line, which node type binds and why that one."""
         return (f"Start-up budget: {self.load_margin:g} x {self.load_s:,.0f} s loading the slowest node's checkpoint + "
                 f"{self.engine_start_margin:g} x {self.engine_start_s:,.0f} s engine start (measured), in",
-                "whole minutes (planning/startup.py; `kimi-k3-serve render` prints the derivation, a test recomputes it).")
+                "whole minutes (planning/startup.py; `kimi-k3-serve render` prints the derivation, a test recomputes it).",
+                *((why,) if why else ()))
 
     def lines(self) -> tuple[str, ...]:
         """The derivation, for a file's header or a console; every size and time with its unit."""
         slow = self.slowest
-        return (
-            f"Start-up budget (kimi_k3_serve.planning.startup): the slowest node ({slow.node}) downloads "
-            f"{slow.download_bytes / GB:,.1f} GB at {self.network_bytes_per_s / GB:,.2f} GB/s ({slow.download_s:,.0f} s) "
-            f"and reads {slow.read_bytes / GB:,.1f} GB at {self.disk_read_bytes_per_s / GB:,.2f} GB/s ({slow.read_s:,.0f} s);",
-            f"  then vLLM's engine start, {self.engine_start_s:,.0f} s measured ({ENGINE_START_RUN}): "
+        bw = slow.bandwidth
+        if slow.prefetched:
+            load = (f"reads its {slow.nbytes / GB:,.1f} GB prefetched copy (args.model.download_dir; `prefetch` "
+                    f"downloaded it before the deploy) at {bw.disk_read_bytes_per_s / GB:,.2f} GB/s ({slow.read_s:,.0f} s);")
+        else:
+            load = (f"downloads {slow.nbytes / GB:,.1f} GB (the whole checkpoint: no args.model.download_dir) at "
+                    f"{bw.download_bytes_per_s / GB:,.2f} GB/s ({slow.download_s:,.0f} s) and reads it at "
+                    f"{bw.disk_read_bytes_per_s / GB:,.2f} GB/s ({slow.read_s:,.0f} s);")
+        out = [f"Start-up budget (kimi_k3_serve.planning.startup): the slowest node ({slow.node}) {load}",
+               f"  bandwidths: {bw.source}."]
+        if bw.defaulted:
+            from kimi_k3_serve.planning.hardware import DEFAULT_NODE_IO
+
+            out.append(f"  The default (hardware.DEFAULT_NODE_IO), where the node type or its volume is not known: "
+                       f"{DEFAULT_NODE_IO.source}.")
+        out += [
+            f"  Then vLLM's engine start, {self.engine_start_s:,.0f} s measured ({ENGINE_START_RUN}): "
             f"estimate {self.estimate_s:,.0f} s.",
             f"  RAYLLM_ENGINE_START_TIMEOUT_S = {self.load_margin:g} x {self.load_s:,.0f} s + "
             f"{self.engine_start_margin:g} x {self.engine_start_s:,.0f} s, rounded up to a minute = "
             f"{self.engine_start_timeout_s} s.",
             f"  KubeRay worker liveness: {self.liveness_failure_threshold} failures x {KUBERAY_LIVENESS_PERIOD_S} s = "
             f"{self.liveness_window_s} s >= {self.load_margin:g} x the node's load; readiness gates traffic only (KubeRay's own).",
-        )
+        ]
+        return tuple(out)
 
-
-def _positive_int(field: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(field, value, "expected an integer > 0 bytes per second")
-    return value
+    def to_json(self) -> dict:
+        return {"node_type": self.node_type, "slowest_node": self.slowest.node, "load_s": self.load_s,
+                "engine_start_s": self.engine_start_s, "estimate_s": self.estimate_s, "load_margin": self.load_margin,
+                "engine_start_margin": self.engine_start_margin, "engine_start_timeout_s": self.engine_start_timeout_s,
+                "liveness_failure_threshold": self.liveness_failure_threshold,
+                "liveness_window_s": self.liveness_window_s,
+                "nodes": [{"node": n.node, "bytes": n.nbytes, **n.to_json()} for n in self.nodes]}
 
 
 def _round_up(seconds: float, step: int) -> int:
@@ -170,79 +162,29 @@ def _round_up(seconds: float, step: int) -> int:
 def startup_budgets(
     *,
     nodes: Sequence[NodeLoad] | Iterable[NodeLoad],
-    network_bytes_per_s: int,
-    disk_read_bytes_per_s: int,
     engine_start_s: float = ENGINE_START_S,
     load_margin: float = LOAD_MARGIN,
     engine_start_margin: float = ENGINE_START_MARGIN,
+    node_type: str | None = None,
 ) -> StartupBudgets:
-    """The budgets for a replica whose nodes load ``nodes`` at the given bandwidths (bytes per second)."""
+    """The budgets for a replica whose nodes load as ``nodes`` estimate (``planning.checkpoint.node_load``)."""
     loads = tuple(nodes)
     if not loads:
         raise ConfigError("nodes", [], "expected at least one node of the replica")
-    network = _positive_int("network_bytes_per_s", network_bytes_per_s)
-    disk = _positive_int("disk_read_bytes_per_s", disk_read_bytes_per_s)
     if not isinstance(engine_start_s, (int, float)) or isinstance(engine_start_s, bool) or not engine_start_s >= 0:
         raise ConfigError("engine_start_s", engine_start_s, "expected seconds >= 0")
     for name, margin in (("load_margin", load_margin), ("engine_start_margin", engine_start_margin)):
         if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 1 <= margin <= 10:
             raise ConfigError(name, margin, "expected a factor from 1 to 10")
-    estimates = tuple(
-        NodeEstimate(n.node, n.download_bytes, n.read_bytes, n.download_bytes / network, n.read_bytes / disk) for n in loads
-    )
-    load_s = max(e.load_s for e in estimates)
+    load_s = max(n.start_s for n in loads)
     timeout = _round_up(load_margin * load_s + engine_start_margin * engine_start_s, BUDGET_ROUNDING_S)
     liveness = max(KUBERAY_LIVENESS_FAILURE_THRESHOLD, math.ceil(round(load_margin * load_s, 6) / KUBERAY_LIVENESS_PERIOD_S))
     return StartupBudgets(
-        nodes=estimates,
-        network_bytes_per_s=network,
-        disk_read_bytes_per_s=disk,
+        nodes=loads,
         engine_start_s=float(engine_start_s),
         load_margin=float(load_margin),
         engine_start_margin=float(engine_start_margin),
         engine_start_timeout_s=timeout,
         liveness_failure_threshold=liveness,
+        node_type=node_type,
     )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Which bytes a node needs, as the planner splits the model
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def stage_checkpoint_bytes(model, stage_layers: Sequence[tuple[int, int]]) -> tuple[int, ...]:
-    """Checkpoint bytes of each pipeline stage's tensors, as vLLM 0.32 splits them: the embedding on the first
-    stage, the layers in each stage's range, the final norm and lm_head (``head``) and the draft's own tensors on
-    the last. The vision tower is left out (the deploy configs serve text only)."""
-    last = len(stage_layers) - 1
-    out = []
-    for stage, (start, end) in enumerate(stage_layers):
-        total = sum(t.checkpoint_bytes for layer in model.layers[start:end] for t in layer.tensors)
-        if stage == 0:
-            total += sum(t.checkpoint_bytes for t in model.embedding)
-        if stage == last:
-            total += sum(t.checkpoint_bytes for t in (*model.head, *model.draft_extra))
-        out.append(total)
-    return tuple(out)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Interim node bandwidths
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NodeBandwidth:
-    network_bytes_per_s: int
-    disk_read_bytes_per_s: int
-    source: str
-
-
-INTERIM_BANDWIDTH = NodeBandwidth(
-    network_bytes_per_s=1_250_000_000,
-    disk_read_bytes_per_s=2 * GB,
-    source="interim, every node type alike: 10 Gbit/s (1.25 GB/s) sustained download from the hub or a bucket per "
-    "node, 2 GB/s sequential read of one local NVMe SSD; TODO(#25): the hardware catalogue's declared "
-    "network_bytes_per_s / disk_read_bytes_per_s of the node type (issue 25 part 1)",
-)
-"""What the cluster files' budgets use until the catalogue declares each node type's bandwidths."""
