@@ -314,7 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "memory-accuracy.md")
     args = parser.parse_args(argv)
     runs = all_runs()
-    text = render(runs)
+    import fit_cuda_graphs  # it reads this module's runs: imported here, not at the top
+
+    _, fit_lines = fit_cuda_graphs.report(fit_cuda_graphs.design())
+    text = render(runs) + "\n".join([
+        "", "## The CUDA-graph constants: fitted on the fit runs alone, scored out of sample", "",
+        "`scripts/fit_cuda_graphs.py` fits the five Kimi-K3 constants of `planning/memory.py` (per graph, per local "
+        "layer, per head on the rank, and DSpark's per draft graph and per draft head) by non-negative least squares "
+        "on the relative errors of the runs `CUDA_GRAPH_FIT_RUNS` names. Leave-one-out refits them without each fit "
+        "run and predicts it: a run that alone fixes a constant (the only full-width run without a draft; the only "
+        "TP8-rank run without one) is badly predicted without it, which says those terms rest on one run each. The "
+        "validation runs set nothing; their worst errors in the unsafe direction set the band (bands.py).", "",
+        *fit_lines, ""])
     args.out.write_text(text)
     print(text)
     return 0

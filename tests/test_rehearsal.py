@@ -594,3 +594,20 @@ def test_engine_processes_that_outlive_the_run_are_stopped(tmp_path) -> None:
     assert orphan.is_running()  # outlived the run
     assert seen.kill_survivors() == 1
     assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_cuda_graph_constants_are_the_fit_of_the_fit_runs_alone() -> None:
+    """planning/memory.py's Kimi-K3 CUDA-graph constants are what scripts/fit_cuda_graphs.py fits on the runs
+    CUDA_GRAPH_FIT_RUNS names (each a fit run of the matrix), to the 0.01 MiB the file keeps: no constant is tuned by
+    hand, and no validation run enters the fit."""
+    from conftest import load_script
+
+    from kimi_k3_serve.planning import memory
+
+    fitter = load_script("fit_cuda_graphs")
+    rows = fitter.design()
+    assert {r.name for r in rows if r.role == "fit"} >= set(memory.CUDA_GRAPH_FIT_RUNS)
+    assert not {r.name for r in rows if r.role == "fit"} & {r.name for r in rows if r.role == "validation"}
+    theta = fitter.fit([r for r in rows if r.role == "fit"])
+    for (table, key), value in zip(fitter.CONSTANTS, theta):
+        assert abs(getattr(memory, table)[key] - value) <= 0.01 * 2**20, (table, key, value / 2**20)

@@ -57,17 +57,17 @@ throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER
 (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
 values are set by ``scripts/fit_cuda_graphs.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(5.17 * MiB), "default": 0}
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.46 * MiB), "default": 0}
 """What one local decoder layer adds per captured graph (fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(20.75 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.45 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: none per target graph; its drafter's own graphs
 are counted instead (``eagle3_draft_graphs``), each at the target's per-graph cost (not fitted on an EAGLE3 run)."""
-CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.36 * MiB)}
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.38 * MiB)}
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark")
 """The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
