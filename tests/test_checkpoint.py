@@ -294,3 +294,33 @@ def test_check_prints_per_node_bytes_disk_and_time_and_refuses_a_small_volume(tm
     assert code == 1 and len(refusals) == 2  # both nodes of the replica, one line each
     assert refusals[0] == ("does not fit: node 1 of 2 [gpu_8xh200]: download folder the Hugging Face cache (free: the "
                            "whole EBS gp3 1,000 GiB volume) needs 1,458.55 GiB more, has 1,000.00 GiB free")
+
+
+def test_check_budgets_follow_download_dir_and_name_the_default_on_a_kuberay_file(tmp_path, capsys):
+    """The same per-node estimate in check's lines and its budgets: with download_dir the budget reads the node's
+    prefetched stage files only; a KubeRay file names no instance type, so the default is taken and said."""
+    from kimi_k3_serve.planning.hardware import DEFAULT_NODE_IO
+
+    config = (REPO / "deploy/config.yaml").read_text()
+    assert "        # download_dir: /mnt/nvme/kimi-k3\n" in config
+    local = tmp_path / "config.yaml"
+    local.write_text(config.replace("        # download_dir: /mnt/nvme/kimi-k3\n", "        download_dir: /mnt/nvme/kimi-k3\n"))
+    for path, per_copy in ((REPO / "deploy/config.yaml", False), (local, True)):
+        code = cli.main(["check", "--config", str(path), "--cluster", str(REPO / "cluster_configs/kuberay-h200.yaml"),
+                         "--json"])
+        document = json.loads(capsys.readouterr().out)
+        assert code == 0
+        section = document["checkpoint"]
+        nodes, startup = section["nodes"], section["startup"]
+        assert all(n["prefetched"] is per_copy and n["bandwidth_defaulted"] for n in nodes)
+        assert (nodes[0]["network_bytes_per_s"], nodes[0]["disk_read_bytes_per_s"]) == (
+            DEFAULT_NODE_IO.network_bytes_per_s, DEFAULT_NODE_IO.disk_read_bytes_per_s)
+        slowest = max(nodes, key=lambda n: n["start_s"])
+        assert startup["load_s"] == pytest.approx(slowest["start_s"])
+        expected = slowest["load_s"] if per_copy else slowest["download_s"] + slowest["load_s"]
+        assert startup["load_s"] == pytest.approx(expected)
+        if per_copy:
+            assert slowest["bytes"] < 0.56 * section["replica_bytes_whole"] / 2  # its stage's files, not all
+        checks = "\n".join(document["checks"])
+        assert "default (the cluster file names no instance type)" in checks
+        assert "The default (hardware.DEFAULT_NODE_IO), where the node type or its volume is not known" in checks

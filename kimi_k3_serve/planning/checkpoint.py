@@ -271,12 +271,12 @@ def node_bandwidth(instance: str | None, *, disk_read_bytes_per_s: int | None = 
     from kimi_k3_serve.planning.hardware import DEFAULT_NODE_IO, lookup_node_io
 
     io = lookup_node_io(instance)
-    what = instance or unknown
+    what = f"{instance}: not in hardware.NODE_IO" if instance else unknown
     if io is not None and io.network_bytes_per_s:
         network, network_why, net_default = io.network_bytes_per_s, f"{io.instance} (hardware.NODE_IO)", False
     else:
         network, network_why, net_default = (DEFAULT_NODE_IO.network_bytes_per_s,
-                                              f"default ({what}: not in hardware.NODE_IO)", True)
+                                              f"default ({what})", True)
     if disk_read_bytes_per_s:
         disk, disk_why, disk_default = disk_read_bytes_per_s, disk_source or "declared", False
     elif io is not None and io.disk_read_bytes_per_s:
