@@ -314,18 +314,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "memory-accuracy.md")
     args = parser.parse_args(argv)
     runs = all_runs()
-    import fit_cuda_graphs  # it reads this module's runs: imported here, not at the top
+    import fit_memory_constants  # it reads this module's runs: imported here, not at the top
 
-    _, fit_lines = fit_cuda_graphs.report(fit_cuda_graphs.design())
+    fit_lines = []
+    for group in fit_memory_constants.GROUPS:
+        fit_lines += fit_memory_constants.report(fit_memory_constants.design(group), group)[1]
     text = render(runs) + "\n".join([
-        "", "## The CUDA-graph constants: fitted on the fit runs alone, scored out of sample", "",
-        "`scripts/fit_cuda_graphs.py` fits the five Kimi-K3 constants of `planning/memory.py` (per graph, per local "
-        "layer, per head on the rank, and DSpark's per draft graph and per draft head) by non-negative least squares "
-        "on the relative errors of the runs `CUDA_GRAPH_FIT_RUNS` names. Leave-one-out refits them without each fit "
-        "run and predicts it: a run that alone fixes a constant (the only full-width run without a draft; the only "
-        "TP8-rank run without one) is badly predicted without it, which says those terms rest on one run each. The "
-        "validation runs set nothing; their worst errors in the unsafe direction set the band (bands.py).", "",
-        *fit_lines, ""])
+        "", "## The fitted constants: fitted on their fit runs alone, scored out of sample", "",
+        "`scripts/fit_memory_constants.py` fits each group of `planning/memory.py`'s fitted constants by non-negative "
+        "least squares on the relative errors of the fit runs the group names (`CUDA_GRAPH_FIT_RUNS`, "
+        "`PROFILE_FIT_RUNS`; each a fit run of the matrix), and tests/test_rehearsal.py checks the shipped values are "
+        "that fit. Leave-one-out refits a group without each of its fit runs and predicts that run: a run that alone "
+        "fixes a constant (the only full-width run without a draft; the only TP8-rank run without one; the only run "
+        "at 1024 sequences) is badly predicted without it, which says that term rests on one run. The validation runs "
+        "set nothing; their worst errors in the unsafe direction set the bands. FlashKDA's scratch share "
+        "(`FLASHKDA_SCRATCH_FRACTION`) was read from the one run where FlashKDA alone grew vLLM's workspace: no "
+        "leave-one-out exists for it.", "",
+        *fit_lines])
     args.out.write_text(text)
     print(text)
     return 0

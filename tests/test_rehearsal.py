@@ -243,7 +243,7 @@ def test_the_mla_eagle3_draft_meets_vllm_at_full_width_and_on_a_tp8_rank(runs) -
     for r in eagle.values():
         assert r.role == "validation", r.name  # scored here, never fitted on
         assert abs(accuracy.RunAccuracy.error(r.weights)) <= 0.003, (r.name, r.weights)
-        assert abs(accuracy.RunAccuracy.error(r.profile)) <= 0.07, (r.name, r.profile)
+        assert -0.07 <= accuracy.RunAccuracy.error(r.profile) <= 0.1, (r.name, r.profile)  # over: the safe side
         assert -0.15 <= accuracy.RunAccuracy.error(r.cuda_graph) <= 0.2, (r.name, r.cuda_graph)
         assert abs(accuracy.RunAccuracy.error(r.kv)) <= 0.01, (r.name, r.kv)
     full = eagle["serve-one-gpu-eagle3-mla"]
@@ -603,18 +603,38 @@ def test_engine_processes_that_outlive_the_run_are_stopped(tmp_path) -> None:
     assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE
 
 
-def test_the_cuda_graph_constants_are_the_fit_of_the_fit_runs_alone() -> None:
-    """planning/memory.py's Kimi-K3 CUDA-graph constants are what scripts/fit_cuda_graphs.py fits on the runs
-    CUDA_GRAPH_FIT_RUNS names (each a fit run of the matrix), to the 0.01 MiB the file keeps: no constant is tuned by
-    hand, and no validation run enters the fit."""
+def test_the_fitted_memory_constants_are_the_fit_of_their_fit_runs_alone() -> None:
+    """planning/memory.py's fitted constants (the CUDA-graph group, the profile's non-torch and sampler factor) are
+    what scripts/fit_memory_constants.py fits on the runs each group names, all of them fit runs of the matrix, to the
+    precision the file keeps: no constant is tuned by hand, and no validation run enters a fit."""
     from conftest import load_script
 
     from kimi_k3_serve.planning import memory
 
-    fitter = load_script("fit_cuda_graphs")
-    rows = fitter.design()
-    assert {r.name for r in rows if r.role == "fit"} >= set(memory.CUDA_GRAPH_FIT_RUNS)
-    assert not {r.name for r in rows if r.role == "fit"} & {r.name for r in rows if r.role == "validation"}
-    theta = fitter.fit([r for r in rows if r.role == "fit"])
-    for (table, key), value in zip(fitter.CONSTANTS, theta):
-        assert abs(getattr(memory, table)[key] - value) <= 0.01 * 2**20, (table, key, value / 2**20)
+    fitter = load_script("fit_memory_constants")
+    for group in fitter.GROUPS:
+        rows = fitter.design(group)
+        fits = [r for r in rows if r.role == "fit"]
+        assert {r.name for r in fits} == set(group.fit_runs), group.name
+        assert all(r.role != "validation" for r in fits)
+        kept = fitter.shipped(group, fitter.fit(fits))
+        for i, ((name, key), value) in enumerate(zip(group.constants, kept)):
+            shipped = getattr(memory, name) if key is None else getattr(memory, name)[key]
+            precision = 0.006 if i in group.integer_scale else 0.011 * 2**20  # a factor to 0.01, bytes to 0.01 MiB
+            assert abs(shipped - value) <= precision, (name, key, shipped, value)
+
+
+def test_each_band_covers_its_terms_errors_on_every_validation_run(runs) -> None:
+    """planning/bands.py: each estimated term's band is at least the largest error in the unsafe direction (the plan
+    below vLLM) that a validation run showed for that term; a fit run's residual does not count."""
+    from kimi_k3_serve.planning.bands import CUDA_GRAPHS, PROFILE, WEIGHTS
+
+    checked = 0
+    for r in runs.values():
+        if r.role != "validation":
+            continue
+        for band, (plan, measured) in ((WEIGHTS, r.weights), (PROFILE, r.profile), (CUDA_GRAPHS, r.cuda_graph)):
+            if plan and measured:
+                assert measured - plan <= band.of(plan), (r.name, band.name, plan, measured)
+                checked += 1
+    assert checked >= 40

@@ -33,10 +33,10 @@ WEIGHTS = Band("weights", 0.004, 0,
                "under 0.1 %")
 PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
                "k6-tp1-b8192-s768-dspark-u092 (2026-12-01): 6.23 GiB planned, 6.67 GiB profiled (-0.44 GiB, -6.5 %)")
-CUDA_GRAPHS = Band("cuda_graph_estimate", 0.16, int(0.30 * GiB),
-                   "llama-3.1-8b-tp1-b16384-s1024: 0.78 / 0.92 GiB (-15.7 %); r44-s1-dspark (2026-12-01): 1.09 / 1.27 "
-                   "GiB (-14.4 %); r23-s3-pp4-dspark-b16384-s64: 2.20 / 2.46 GiB (-0.26 GiB), with the CUDA-graph "
-                   "constants of scripts/fit_cuda_graphs.py (fit runs only)")
+CUDA_GRAPHS = Band("cuda_graph_estimate", 0.18, int(0.30 * GiB),
+                   "r23-s3-pp4-dspark-b16384-s64 (2026-12-01): 2.09 / 2.46 GiB (-0.37 GiB, -15 %); r44-s1-dspark: "
+                   "1.03 / 1.27 GiB (-0.24 GiB); with the CUDA-graph constants scripts/fit_memory_constants.py fits on "
+                   "the fit runs alone")
 BANDS = (WEIGHTS, PROFILE, CUDA_GRAPHS)
 
 

@@ -38,36 +38,40 @@ from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split,
 from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(0.45 * GiB)
+NON_TORCH_TP1 = int(582.90 * MiB)
 NON_TORCH_TP2 = NON_TORCH_TP1
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.45 GiB, fitted on the H200 runs of
-2026-11-30 (tests/fixtures/gpu/2026-11-30, docs/memory-accuracy.md; the llm-d v0.19 H100 sweep had 0.25 GiB).
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.57 GiB, fitted with
+``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS`` by scripts/fit_memory_constants.py (H200 runs of 2026-11-30;
+leave-one-out in docs/memory-accuracy.md; the llm-d v0.19 H100 sweep had 0.25 GiB).
 TP2 (one node): as at TP1. vLLM's own split of the TP2 rehearsal (2 x H200, tests/fixtures/gpu/2026-11-30-two-gpus/
 rehearse-tp2) has 32.72 - 30.03 = 2.69 GiB consumed besides weights, against 61.52 - 58.69 = 2.83 GiB at TP1 with the
 same settings (2026-11-30-second-host/serve-one-gpu): the TP group's buffers add nothing measurable there.
 TP > 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory.md 1.2, 5), not yet measured here."""
-SAMPLER_FP32_VOCAB_COPIES = 4
+PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k4-tp1-llm-defaults-b16384-s1024")
+"""The fit runs ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` are fitted on together (4-layer Kimi-K3 slices on
+one H200 at 256 and 1024 sequences, 2026-11-30; ``scripts/fit_memory_constants.py``)."""
+SAMPLER_FP32_VOCAB_COPIES = 3.73
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
-probabilities / log-probabilities the sampler derives). Fitted on the H200 Kimi-K3 slice runs at 256 and 1024
-sequences (docs/memory-accuracy.md); the forward's output is still held, so the two add up."""
+probabilities / log-probabilities the sampler derives): a factor fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``
+(256 and 1024 sequences); the forward's output is still held, so the two add up."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.65 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
 (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
-values are set by ``scripts/fit_cuda_graphs.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
+values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
 CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.46 * MiB), "default": 0}
 """What one local decoder layer adds per captured graph (fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.45 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.41 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: none per target graph; its drafter's own graphs
 are counted instead (``eagle3_draft_graphs``), each at the target's per-graph cost (not fitted on an EAGLE3 run)."""
-CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.38 * MiB)}
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.39 * MiB)}
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark")
 """The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
@@ -787,8 +791,8 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
     if stage == layout.pp - 1:
         if draft is not None:
             peak += mnbt * draft.hidden_size * 2 * 6
-        peak += seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES
-        basis += f" + sampler at max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES} fp32 copies, fitted)"
+        peak += int(seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES)
+        basis += f" + sampler at max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES:g} fp32 copies, fitted)"
         if draft is not None and draft.draft is not None and draft.draft.generic_mla is not None:
             held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len, block_size,
                                                        layout.dcp)
@@ -903,7 +907,7 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     return est, max(est // 2, GiB // 2), (
         f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {end - start} layers x "
         f"{CUDA_GRAPH_PER_LAYER[family] / MiB:.1f} MiB + {num_sizes} PIECEWISE and {num_full} FULL graphs x "
-        f"{per_graph / MiB:.1f} MiB{draft} (fitted on H200 fit runs, scripts/fit_cuda_graphs.py)"
+        f"{per_graph / MiB:.1f} MiB{draft} (fitted on H200 fit runs, scripts/fit_memory_constants.py)"
     )
 
 
