@@ -4,8 +4,12 @@ real over gloo between two raylets of a Ray test cluster. The NCCL path runs in 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,8 @@ from kimi_k3_serve.checks.fabric import judge_fabric, measurement, nccl_transpor
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import INTERCONNECTS, Interconnect, interconnect_of
 from kimi_k3_serve.units import GB, MiB
+
+REPO = Path(__file__).resolve().parents[1]
 
 P5EN = INTERCONNECTS["p5en.48xlarge"]
 
@@ -189,3 +195,52 @@ def test_gloo_bandwidth_far_below_a_fabric_warns_and_refuses_under_the_flag(two_
         line = comm_smoke_test(pg, [0, 1], nodes, backend="gloo", timeout_s=120, measure_bytes=8 * MiB,
                                expectation=FabricExpectation("test-node", slow_rail, min_fabric_fraction=0.5))
     assert not caplog.records and "of test-node's a 1 kB/s test rail" in line
+
+
+def _busbw(fabric_line: str) -> list[float]:
+    """The bus bandwidths (bytes/s) a ``fabric:`` line reports."""
+    return [float(x) * GB for x in re.findall(r"busbw ([\d.]+) GB/s", fabric_line.replace(",", ""))]
+
+
+THROTTLE = "tc qdisc add dev lo root tbf rate 80mbit burst 256kb latency 500ms"
+"""10 MB/s on the namespace's loopback: a fabric that fell back to a slow path, for real."""
+
+
+def test_a_throttled_link_is_measured_far_below_the_unthrottled_one_and_warns(two_node_pg, caplog):
+    """Throttling on CPU: the gloo measurement between two raylets, first on this host's loopback (the "expected"
+    rail, and judged against it: no warning), then in a network namespace whose loopback ``tc`` holds to 10 MB/s,
+    judged against the same rail: the check reports the lower bandwidth and warns, naming what to check."""
+    import shutil
+    import subprocess
+    import sys
+
+    from kimi_k3_serve.checks.replica import FabricExpectation, comm_smoke_test
+
+    if not (shutil.which("unshare") and shutil.which("tc") and shutil.which("ip")):
+        pytest.skip("needs unshare, ip and tc (iproute2) to throttle a private loopback")
+    probe = subprocess.run(["unshare", "-n", "--", "sh", "-c", f"ip link set lo up && {THROTTLE}"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"cannot throttle a private network namespace here: {probe.stderr.decode()[-200:]}")
+    pg, nodes = two_node_pg
+    measure = 4 * MiB
+    fabric = comm_smoke_test(pg, [0, 1], nodes, backend="gloo", timeout_s=120, measure_bytes=measure).split("\n")[1]
+    unthrottled = min(_busbw(fabric))
+    rail = Interconnect("this host's unthrottled loopback", int(unthrottled), "socket", ("tc qdisc show dev lo",), "here")
+    with caplog.at_level(logging.WARNING, logger="kimi_k3_serve.checks.replica"):
+        comm_smoke_test(pg, [0, 1], nodes, backend="gloo", timeout_s=120, measure_bytes=measure,
+                        expectation=FabricExpectation("loopback", rail))
+    assert not caplog.records, [r.message for r in caplog.records]  # unthrottled against itself: no warning
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
+    script = f"ip link set lo up && {THROTTLE} && exec {sys.executable} tests/throttled_fabric.py {measure} {int(unthrottled)}"
+    done = subprocess.run(["unshare", "-n", "--", "sh", "-c", script], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    throttled = min(_busbw(result["lines"].split("\n")[1]))
+    assert throttled < 0.25 * unthrottled and throttled < 0.02 * GB, (throttled, unthrottled)
+    (warning,) = result["warnings"]
+    assert "fabric between the stage nodes (throttled-loopback): the bus bandwidth" in warning
+    assert "tc qdisc show dev lo" in warning, warning
+    print(f"\n[fabric over gloo: {unthrottled / GB:.3g} GB/s on this host's loopback, {throttled / GB:.3g} GB/s "
+          f"throttled to 10 MB/s by tc]")

@@ -51,7 +51,12 @@ class Measurement:
         return self.algbw
 
     def describe(self) -> str:
-        return f"{self.op.replace('_', '/')} busbw {self.busbw / GB:,.2f} GB/s (algbw {self.algbw / GB:,.2f} GB/s)"
+        return f"{self.op.replace('_', '/')} busbw {rate(self.busbw)} (algbw {rate(self.algbw)})"
+
+
+def rate(bytes_per_s: float) -> str:
+    """A bandwidth in GB/s to three significant figures (a socket fallback reads 0.0123 GB/s, not 0.00)."""
+    return f"{bytes_per_s / GB:,.2f} GB/s" if bytes_per_s >= 10 * GB else f"{bytes_per_s / GB:.3g} GB/s"
 
 
 def measurement(op: str, nbytes: int, seconds: float, world: int) -> Measurement:
@@ -140,7 +145,7 @@ def judge_fabric(measurements: Iterable[Measurement], *, transport: str | None, 
         problems.append(f"NCCL is using TCP sockets (NET/Socket), not {expected.name}")
     threshold = min_fabric_fraction if min_fabric_fraction is not None else warn_fraction
     if fraction < threshold:
-        problems.append(f"the bus bandwidth {slowest / GB:,.2f} GB/s is {fraction:.0%} of the "
+        problems.append(f"the bus bandwidth {rate(slowest)} is {fraction:.0%} of the "
                         f"{expected.bytes_per_s_per_gpu / GB:,.1f} GB/s one GPU's {expected.name} rail carries "
                         f"(below {threshold:.0%})")
     if not problems:
