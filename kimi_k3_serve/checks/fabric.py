@@ -56,7 +56,7 @@ class Measurement:
 
 def rate(bytes_per_s: float) -> str:
     """A bandwidth in GB/s to three significant figures (a socket fallback reads 0.0123 GB/s, not 0.00)."""
-    return f"{bytes_per_s / GB:,.2f} GB/s" if bytes_per_s >= 10 * GB else f"{bytes_per_s / GB:.3g} GB/s"
+    return f"{bytes_per_s / GB:,.2f} GB/s" if bytes_per_s >= GB else f"{bytes_per_s / GB:.3g} GB/s"
 
 
 def measurement(op: str, nbytes: int, seconds: float, world: int) -> Measurement:
