@@ -196,10 +196,10 @@ def test_prefetch_then_serve_run_answers_from_the_replica_nodes_copy(cluster, ca
     worker, model_dir = cluster["worker_id"], cluster["worker"] / "model"
     checked = [line for line in lines if "replica check: local copy:" in line]
     assert checked and all(f"(stage 0 on {worker}, stage 1 on {worker})" in line for line in checked), checked
-    assert any(f"replica check: vLLM loads {model_dir} (this node's args.model.download_dir)" in line
-               for line in lines), [line for line in lines if "replica check" in line]
     loads = {m.group(1): m.group(2) for m in map(LOAD.search, lines) if m}
     assert loads == {f"Worker_PP{p}_TP{t}": str(model_dir) for p in (0, 1) for t in (0, 1)}, loads
+    assert any(f"replica check: vLLM loads {model_dir} (this node's args.model.download_dir)" in line
+               for line in lines), [line for line in lines if "replica check" in line]
 
 
 def test_a_shard_gone_from_the_replica_node_refuses_the_replica_before_vllm_starts(cluster, capsys, tmp_path):
