@@ -541,12 +541,14 @@ def _whole_checkpoint_bytes(args: ServeArgs) -> int:
 
 
 def _last_stage_holders(layout: Any, gathered: ReplicaProbes) -> set[str] | None:
-    """The reserved nodes whose prefetched copy holds the last stage's files; None without copies."""
+    """The reserved nodes whose prefetched copy holds the last stage's files; else those prefetch meant it for (one
+    with a file gone: the refusal then names that node and that file, not the other stage's node); None without
+    copies."""
     if not gathered.copies or not any(c.get("manifest") for c in gathered.copies.values()):
         return None
     last = str(layout.pp - 1)
-    return {node for node, c in gathered.copies.items() if c.get("manifest") and last in c.get("stage_files", {})
-            and not c["missing_by_stage"].get(last)}
+    meant = {node: c for node, c in gathered.copies.items() if c.get("manifest") and last in c.get("stage_files", {})}
+    return {node for node, c in meant.items() if not c["missing_by_stage"].get(last)} or set(meant)
 
 
 def _decide_gpus(args: ServeArgs, layout: Any, gathered: ReplicaProbes):
