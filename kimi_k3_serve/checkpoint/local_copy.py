@@ -100,7 +100,7 @@ def local_copy_report(download_dir: str) -> dict[str, Any]:
     stage_files = manifest.get("stage_files", {})
     draft_folder = os.path.join(node_folder(download_dir), "draft")
     draft = read_manifest(draft_folder)
-    return {"folder": folder, "manifest": True, "stage_files": stage_files,
+    return {"folder": folder, "manifest": True, "stage_files": stage_files, "stages": list(manifest.get("stages", [])),
             "missing_by_stage": {stage: missing_files(folder, stage_files, [int(stage)]) for stage in stage_files},
             "draft_weights": bool(draft and draft.get("weights")),
             "draft_missing": missing_files(draft_folder, {"0": draft.get("files", {})}, [0]) if draft else []}

@@ -547,7 +547,7 @@ def _last_stage_holders(layout: Any, gathered: ReplicaProbes) -> set[str] | None
     if not gathered.copies or not any(c.get("manifest") for c in gathered.copies.values()):
         return None
     last = str(layout.pp - 1)
-    meant = {node: c for node, c in gathered.copies.items() if c.get("manifest") and last in c.get("stage_files", {})}
+    meant = {node: c for node, c in gathered.copies.items() if c.get("manifest") and int(last) in c.get("stages", ())}
     return {node for node, c in meant.items() if not c["missing_by_stage"].get(last)} or set(meant)
 
 
