@@ -130,6 +130,20 @@ def _serve_run(config: Path, address: str, log_path: Path):
             yield proc
         finally:
             _stop(proc, signal.SIGINT)
+            _delete_app(address)
+
+
+def _delete_app(address: str) -> None:
+    """The application gone for good: ``serve run`` deletes it on Ctrl-C, but on a loaded machine it can be killed
+    (after 90 s) before its replicas have stopped, and the next test's deploy would wait behind them."""
+    from ray import serve as ray_serve
+
+    ray.init(address=address, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        if APP in ray_serve.status().applications:
+            ray_serve.delete(APP)
+    finally:
+        ray.shutdown()
 
 
 def _wait_for_routes(serve: subprocess.Popen, base: str, log_path: Path, started: float) -> None:
