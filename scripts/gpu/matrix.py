@@ -62,6 +62,8 @@ def kimi(name: str, layers: int, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: b
 
 
 DEPLOY = "deploy/config.yaml"
+HOPPER_KERNELS = ("--engine-kwargs", json.dumps(KIMI_ENGINE))
+"""A Blackwell config's rank on the H200: its MoE backend (flashinfer_trtllm) needs SM100, so Hopper's kernels run it."""
 
 
 def rank(name: str, stage: int, *, role: str, config: str = DEPLOY, pp: int | None = None, tokens: int | None = None,
@@ -152,6 +154,18 @@ SETS: dict[str, list[Job]] = {
         rank("r44-s1-dspark-u080-b16384-s256", 1, role="validation", tokens=16384, seqs=256, util=0.80, expected_s=200),
         rank("r44-s1-dspark-fp8kv", 1, role="validation", kv="fp8", expected_s=200),
         rank("r49-s0-eager", 0, role="validation", extra=("--enforce-eager",), expected_s=150),
+    ],
+    # The third round on one GPU, roles fixed on 2026-12-01 (third session) before any of them ran. The fit runs add a
+    # second point to the CUDA-graph terms that rested on one run each (leave-one-out: the no-draft rank +242 %, the
+    # no-draft full-width slice +277 %). The validation runs: stage 1 with no draft, and the B200 config's two ranks,
+    # which one H200 holds (50 and 43 layers at TP8, 65,536 tokens), on the Hopper kernels.
+    "ranks-round3": [
+        rank("r31-s1-pp3", 1, role="fit", pp=3, expected_s=150),
+        kimi("k8-tp1-b8192-s512-nodraft", 8, tokens=8192, seqs=512, draft=None, expected_s=120, role="fit"),
+        rank("r44-s1-nodraft", 1, role="validation", draft="none", expected_s=200),
+        rank("b200-r50-s0", 0, role="validation", config="deploy/config-b200.yaml", extra=HOPPER_KERNELS, expected_s=240),
+        rank("b200-r43-s1-dspark", 1, role="validation", config="deploy/config-b200.yaml", extra=HOPPER_KERNELS,
+             expected_s=240),
     ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
