@@ -32,6 +32,8 @@ from kimi_k3_serve.models import load_model, read_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 H200 = RankDevice(150_109_880_320, (9, 0), name="H200")
+B200 = RankDevice(191_514_279_936, (10, 0), name="B200")
+"""Kimi-K3's plain fp8 KV cache runs on compute capability 10.x only (planning.memory._validate_kimi_kv_dtype)."""
 
 
 def _vllm_config(*, tp: int, max_model_len: int, prefix_caching: bool, block_size: int, spec_method: str | None = None,
@@ -149,8 +151,8 @@ def test_kimi_k3_tp8_pp2_matches_vllm(dspark: bool, max_model_len: int, kv_dtype
     num_spec = 7 if dspark else 0
     spec = SpeculativeSettings("dspark", 7, draft=load_model("kimi-k3-dspark")) if dspark else None
     engine = EngineSettings(max_model_len=max_model_len, speculative=spec, kv_cache_dtype=kv_dtype, enable_prefix_caching=prefix,
-                            fp8_prefill_query=kv_dtype.startswith("fp8"))
-    report = estimate_memory(model, Layout(tp=8, pp=2), engine, H200)
+                            fp8_prefill_query=kv_dtype == "fp8")
+    report = estimate_memory(model, Layout(tp=8, pp=2), engine, B200 if kv_dtype == "fp8" else H200)
     hf, raw = _k3_hf_config()
     vc = _vllm_config(tp=8, max_model_len=max_model_len, prefix_caching=prefix, block_size=64, hf_config=hf,
                       spec_method="dspark" if dspark else None, num_spec=num_spec, model_type="kimi_k3")
@@ -206,7 +208,7 @@ def test_kimi_k3_hybrid_block_size_matches_vllm(kv_dtype: str, block: int) -> No
     vc.model_config.architecture = "KimiK3ForConditionalGeneration"
     Platform._align_hybrid_block_size(vc, FlashMLABackend)
     report = estimate_memory(load_model("kimi-k3"), Layout(tp=8, pp=2), EngineSettings(
-        max_model_len=32768, kv_cache_dtype=kv_dtype, fp8_prefill_query=kv_dtype.startswith("fp8")), H200)
+        max_model_len=32768, kv_cache_dtype=kv_dtype, fp8_prefill_query=kv_dtype == "fp8"), B200 if kv_dtype == "fp8" else H200)
     assert vc.cache_config.block_size == report.block_size == block
     assert vc.cache_config.mamba_page_size_padded == report.stage_ranks()[0].page_bytes == 884_736
 

@@ -79,8 +79,9 @@ def test_mla_kv_per_token_and_kda_state_golden(k3) -> None:
     (Layout(tp=8, pp=2), "auto", 768), (Layout(tp=8, pp=2), "fp8", 1536), (Layout(tp=16, ep=True), "auto", 384),
 ])
 def test_hybrid_block_size_golden(k3, layout, kv_dtype, block) -> None:
-    engine = EngineSettings(max_model_len=32768, kv_cache_dtype=kv_dtype, fp8_prefill_query=kv_dtype.startswith("fp8"))
-    r = estimate_memory(k3, layout, engine, device("H200"))
+    engine = EngineSettings(max_model_len=32768, kv_cache_dtype=kv_dtype, fp8_prefill_query=kv_dtype == "fp8")
+    # Kimi-K3's fp8 KV runs on compute capability 10.x only (test_fp8_kv_on_kimi_k3_...): the page maths is the same.
+    r = estimate_memory(k3, layout, engine, device("B200" if kv_dtype == "fp8" else "H200"))
     assert r.block_size == block
     assert r.stage_ranks()[0].page_bytes == (884_736 if layout.tp == 8 else 442_368)
 
@@ -222,12 +223,23 @@ def test_too_many_sequences_for_the_state_blocks_is_refused_as_vllm_does(k3) -> 
     assert at(hi, eager=True).verdict == "fits"  # no CUDA graphs, no such check
 
 
-def test_fp8_kv_on_kimi_k3_needs_the_fp8_prefill_query(k3) -> None:
+def test_fp8_kv_on_kimi_k3_needs_the_fp8_prefill_query_and_compute_capability_10(k3) -> None:
+    """vLLM 0.32 asserts an fp8 prefill query for Kimi-K3's plain fp8 KV cache and grants it on compute capability
+    10.x alone (mla_attention.backend_supports_prefill_query_quantization): on an H200, with the flag set, it asserted
+    at load (tests/fixtures/gpu/2026-12-01-round3/r44-s1-dspark-fp8kv). fp8_ds_mla asserts a bf16 query instead."""
+    def plan(gpu: str, kv: str, flag: bool):
+        return estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, kv_cache_dtype=kv,
+                                                                      fp8_prefill_query=flag), device(gpu))
+
     with pytest.raises(ConfigError, match="engine_kwargs.attention_config.use_prefill_query_quantization"):
-        estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, kv_cache_dtype="fp8"), device("H200"))
-    ok = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, kv_cache_dtype="fp8",
-                                                                 fp8_prefill_query=True), device("H200"))
-    assert ok.fits
+        plan("B200", "fp8", False)
+    assert plan("B200", "fp8", True).fits
+    for flag in (False, True):
+        with pytest.raises(ConfigError, match=r"engine.kv_cache_dtype.*fp8.*auto or bfloat16 on compute capability 9\.0"):
+            plan("H200", "fp8", flag)
+    with pytest.raises(ConfigError, match="false with kv_cache_dtype fp8_ds_mla"):
+        plan("B200", "fp8_ds_mla", True)
+    assert plan("B200", "fp8_ds_mla", False).fits and plan("H200", "fp8_ds_mla", False).fits
 
 
 def test_pp_partition_rules(k3) -> None:

@@ -336,7 +336,7 @@ def estimate_memory(
             devs = devs * world
         if len(devs) != world:
             raise ConfigError("devices", len(devs), f"expected one device per rank (world size {world}) or one for all")
-    _validate(model, layout, engine)
+    _validate(model, layout, engine, min(d.compute_capability for d in devs))
     notes: list[str] = []
     ref = min(devs, key=lambda d: d.total_bytes)
     cc = ref.compute_capability
@@ -618,7 +618,30 @@ def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world:
     return best if best > 0 else None
 
 
-def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings) -> None:
+def _validate_kimi_kv_dtype(engine: EngineSettings, cc: tuple[int, int]) -> None:
+    """vLLM 0.32's Kimi-K3 MLA (models/kimi_k3/nvidia/mla.py) asserts an fp8 prefill query for a plain fp8 KV cache and
+    a bf16 one for fp8_ds_mla; mla_attention.backend_supports_prefill_query_quantization grants the fp8 query on
+    compute capability 10.x alone, so the flag cannot help on Hopper."""
+    dtype = engine.kv_cache_dtype
+    if not dtype.startswith("fp8"):
+        return
+    if dtype == "fp8_ds_mla":
+        if engine.fp8_prefill_query and cc[0] == 10:
+            raise ConfigError("engine_kwargs.attention_config.use_prefill_query_quantization", True,
+                              "false with kv_cache_dtype fp8_ds_mla: vLLM 0.32's Kimi-K3 asserts a bf16 prefill query for it")
+        return
+    if cc[0] != 10:
+        raise ConfigError("engine.kv_cache_dtype", dtype,
+                          f"auto or bfloat16 on compute capability {cc[0]}.{cc[1]}: vLLM 0.32 runs Kimi-K3's fp8 KV cache only "
+                          "with an fp8 prefill query, and grants that query on compute capability 10.x alone "
+                          "(it asserted at load on an H200 on 2026-12-01, with the flag set)")
+    if not engine.fp8_prefill_query:
+        raise ConfigError("engine_kwargs.attention_config.use_prefill_query_quantization", False,
+                          f"expected true: vLLM 0.32 refuses Kimi-K3 with kv_cache_dtype {dtype} without an fp8 "
+                          "prefill query (it asserts at load; seen on an H200 on 2026-11-30)")
+
+
+def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings, compute_capability: tuple[int, int]) -> None:
     for name, n in model.tp_divisors:
         if n % layout.tp:
             raise ConfigError("layout.tp", layout.tp, f"must divide {model.name} {name} = {n} (vLLM asserts it)")
@@ -628,10 +651,8 @@ def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings) -> 
     check_eplb(model, layout, engine.num_redundant_experts)
     if engine.kv_cache_dtype == "fp8_ds_mla" and not model.uses_mla:
         raise ConfigError("engine.kv_cache_dtype", "fp8_ds_mla", "fp8_ds_mla is an MLA cache format; this model has no MLA layers")
-    if model.family == "kimi_k3" and engine.kv_cache_dtype.startswith("fp8") and not engine.fp8_prefill_query:
-        raise ConfigError("engine_kwargs.attention_config.use_prefill_query_quantization", False,
-                          f"expected true: vLLM 0.32 refuses Kimi-K3 with kv_cache_dtype {engine.kv_cache_dtype} without an fp8 "
-                          "prefill query (it asserts at load; seen on an H200 on 2026-11-30)")
+    if model.family == "kimi_k3":
+        _validate_kimi_kv_dtype(engine, compute_capability)
     if model.is_hybrid and engine.mamba_ssm_cache_dtype == "float16":
         raise ConfigError("engine.mamba_ssm_cache_dtype", "float16", "KDA recurrent state supports auto, float32 and bfloat16")
     spec = engine.speculative
