@@ -5,8 +5,8 @@ constants, so a group is fitted by non-negative least squares (relative errors) 
 
 - ``cuda_graph``: vLLM's CUDA-graph estimate (``profile_cudagraph_memory``) is the first capture's activations plus,
   per captured graph, ``per_graph + per_head x the target's heads on the rank``, ``per_layer x local layers`` once,
-  and, on the last stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank`` per FULL graph for
-  DSpark. Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
+  and, on the last stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank + draft_per_layer x
+  the stage's layers`` per FULL graph for DSpark. Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
 - ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations (from
   the shapes), ``NON_TORCH_TP1`` on one GPU, and the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32
   ``max_num_seqs x vocab`` tensors (a fitted factor: about four tensors at the peak). Fit runs:
@@ -56,7 +56,8 @@ class Group:
 GROUPS = (
     Group("cuda_graph", (("CUDA_GRAPH_PER_GRAPH", "kimi_k3"), ("CUDA_GRAPH_PER_LAYER", "kimi_k3"),
                          ("CUDA_GRAPH_PER_HEAD", "kimi_k3"), ("CUDA_GRAPH_DRAFT_PER_GRAPH", "dspark"),
-                         ("CUDA_GRAPH_DRAFT_PER_HEAD", "dspark")), "cuda_graph", memory.CUDA_GRAPH_FIT_RUNS),
+                         ("CUDA_GRAPH_DRAFT_PER_HEAD", "dspark"), ("CUDA_GRAPH_DRAFT_PER_LAYER", "dspark")), "cuda_graph",
+          memory.CUDA_GRAPH_FIT_RUNS),
     Group("profile", (("NON_TORCH_TP1", None), ("SAMPLER_FP32_VOCAB_COPIES", None)), "profile", memory.PROFILE_FIT_RUNS,
           integer_scale=(1,)),
 )

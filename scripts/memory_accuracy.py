@@ -52,8 +52,10 @@ FIT_RUNS = {
     "rehearse-tp2": "TP2 non-torch (NON_TORCH_TP2, with serve-one-gpu)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
-SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark"}
-"""A repeat of another run's settings (the first engine start of the host, kernels still being built)."""
+SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark",
+           "serve-one-gpu-eagle3-mla-passed": "serve-one-gpu-eagle3-mla"}
+"""A repeat of another run's settings (the first engine start of the host, kernels still being built; the MLA EAGLE3
+serve test again, 2026-12-01 round 3, where it passed)."""
 SERVE_RUNS = {
     # `serve run` of deploy/gpu-rehearsal.yaml at PP1 (tests/test_gpu.py::test_serve_run_on_one_gpu). Its vllm.log is
     # the replica's and the Ray worker's logs together. max_num_batched_tokens is what the replica's engine chose.
@@ -325,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         "least squares on the relative errors of the fit runs the group names (`CUDA_GRAPH_FIT_RUNS`, "
         "`PROFILE_FIT_RUNS`; each a fit run of the matrix), and tests/test_rehearsal.py checks the shipped values are "
         "that fit. Leave-one-out refits a group without each of its fit runs and predicts that run: a run that alone "
-        "fixes a constant (the only full-width run without a draft; the only TP8-rank run without one; the only run "
-        "at 1024 sequences) is badly predicted without it, which says that term rests on one run. The validation runs "
+        "fixes a constant (the only full-width run without a draft; the only run at 1024 sequences) is badly "
+        "predicted without it, which says that term rests on one run; the DSpark per-layer term rests on one deep "
+        "DSpark fit run (r11-s7-pp8-dspark), and over-predicts the 44-layer ranks. The validation runs "
         "set nothing; their worst errors in the unsafe direction set the bands. FlashKDA's scratch share "
         "(`FLASHKDA_SCRATCH_FRACTION`) was read from the one run where FlashKDA alone grew vLLM's workspace: no "
         "leave-one-out exists for it.", "",

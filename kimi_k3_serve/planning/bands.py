@@ -33,10 +33,11 @@ WEIGHTS = Band("weights", 0.004, 0,
                "under 0.1 %")
 PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
                "k6-tp1-b8192-s768-dspark-u092 (2026-12-01): 6.23 GiB planned, 6.67 GiB profiled (-0.44 GiB, -6.5 %)")
-CUDA_GRAPHS = Band("cuda_graph_estimate", 0.18, int(0.30 * GiB),
-                   "r23-s3-pp4-dspark-b16384-s64 (2026-12-01): 2.09 / 2.46 GiB (-0.37 GiB, -15 %); r44-s1-dspark: "
-                   "1.03 / 1.27 GiB (-0.24 GiB); with the CUDA-graph constants scripts/fit_memory_constants.py fits on "
-                   "the fit runs alone")
+CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.15 * GiB),
+                   "llama-3.1-8b-tp1-b16384-s1024 (2026-11-30): 0.78 / 0.92 GiB (-0.14 GiB) sets the floor; the worst "
+                   "Kimi-K3 validation error in the unsafe direction is k4-dp2-ep2-serve-defaults-dspark's 3.56 / 3.61 GiB "
+                   "(-1.4 %), with the per-layer DSpark term fitted on the fit runs alone (2026-12-01, round 3); one "
+                   "shape's spread between two engine starts is 0.08 GiB (r44-s1-dspark 1.27, r44-s1-dspark-u0995 1.19)")
 BANDS = (WEIGHTS, PROFILE, CUDA_GRAPHS)
 
 

@@ -55,28 +55,33 @@ SAMPLER_FP32_VOCAB_COPIES = 3.73
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
 probabilities / log-probabilities the sampler derives): a factor fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``
 (256 and 1024 sequences); the forward's output is still held, so the two add up."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.65 * MiB), "default": 14 * MiB}
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.67 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
 (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.46 * MiB), "default": 0}
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.13 * MiB), "default": 0}
 """What one local decoder layer adds per captured graph (fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.41 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(8.04 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: none per target graph; its drafter's own graphs
 are counted instead (``eagle3_draft_graphs``), each at the target's per-graph cost (not fitted on an EAGLE3 run)."""
-CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.39 * MiB)}
-CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "k4-tp1-serve-defaults-dspark",
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.45 * MiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER = {"dspark": int(1.06 * MiB)}
+"""What each target layer of the last stage adds per FULL graph when DSpark rides on it (fitted with
+``CUDA_GRAPH_PER_GRAPH``). vLLM's estimate charges every FULL graph at the second-largest one's increment
+(``_extrapolate_full_graph_memory``); on the TP8 rank slices with DSpark the estimate grew with depth at the same
+graph counts (11 -> 44 layers: 0.90 -> 1.27 GiB), where without a draft it barely did (23 -> 49 layers: 0.20 -> 0.25)."""
+CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark")
 """The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
-on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11 and 23 layers, with DSpark and without."""
-CUDA_GRAPH_FITTED_LAYERS = (4, 23)
+on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11, 23 and 31 layers, with DSpark and without."""
+CUDA_GRAPH_FITTED_LAYERS = (4, 31)
 """The stage sizes (layers) the CUDA-graph constants were fitted on; deeper stages are an extrapolation of the
 per-layer term, and the plan says so (the 44- and 49-layer rank slices are validation runs of it)."""
 PRE_SNAPSHOT_CONTEXT = GiB // 2
@@ -918,7 +923,8 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     draft = ""
     if spec is not None and stage == layout.pp - 1:
         heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp)) if spec.draft is not None else 0
-        per_draft_graph = CUDA_GRAPH_DRAFT_PER_GRAPH.get(spec.method, 0) + CUDA_GRAPH_DRAFT_PER_HEAD.get(spec.method, 0) * heads
+        per_draft_graph = (CUDA_GRAPH_DRAFT_PER_GRAPH.get(spec.method, 0) + CUDA_GRAPH_DRAFT_PER_HEAD.get(spec.method, 0) * heads
+                           + CUDA_GRAPH_DRAFT_PER_LAYER.get(spec.method, 0) * (end - start))
         est += num_full * per_draft_graph
         draft = f" + {num_full} draft graphs x {per_draft_graph / MiB:.1f} MiB" if per_draft_graph else ""
         if spec.method == "eagle3":
