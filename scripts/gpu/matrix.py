@@ -167,6 +167,16 @@ SETS: dict[str, list[Job]] = {
         rank("b200-r43-s1-dspark", 1, role="validation", config="deploy/config-b200.yaml", extra=HOPPER_KERNELS,
              expected_s=240),
     ],
+    # The fourth round on one GPU, roles fixed on 2026-12-01 (third session) before any of them ran. The DSpark
+    # per-layer CUDA-graph term rests on one deep fit run (r11-s7-pp8-dspark, 11 layers) and over-predicts the
+    # 44-layer ranks by 25-37 %: two DSpark last stages of 23 and 31 layers fit it; the validation runs score it at
+    # 64 sequences and stage 0 at a large token budget.
+    "ranks-round4": [
+        rank("r31-s2-pp3-dspark", 2, role="fit", pp=3, expected_s=150),
+        rank("r23-s3-pp4-dspark", 3, role="fit", pp=4, expected_s=150),
+        rank("r44-s1-dspark-s64", 1, role="validation", seqs=64, expected_s=200),
+        rank("r49-s0-b16384-s64-u090", 0, role="validation", tokens=16384, seqs=64, util=0.90, expected_s=200),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [

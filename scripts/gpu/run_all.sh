@@ -12,7 +12,7 @@
 #   matrix-tp2     rehearsals on both GPUs (TP2, and PP2 on one node)
 #   matrix-tp8     rehearsals on eight GPUs (TP8, and TP4 x PP2 on one node); skipped on a host with fewer
 #   matrix-ranks   one TP rank of each stage of deploy/config.yaml at full depth, one GPU each (rehearse --rank-of),
-#                  (KIMI_K3_SERVE_RANK_SET=ranks-round2 or ranks-round3 for the later rounds)
+#                  (KIMI_K3_SERVE_RANK_SET=ranks-round2, ranks-round3 or ranks-round4 for the later rounds)
 #                  and the shapes where the verdict missed; each job's role (fit or validation) is in matrix.py
 #   tests-serve    serve run of deploy/gpu-rehearsal.yaml across two Ray nodes, at DP2 x EP2, + the NCCL test (pytest -m gpu -k "serve or nccl")
 #                  (the NCCL tests include the fabric measurement: bus bandwidth and socket detection, 2 GPUs)
