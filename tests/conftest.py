@@ -29,7 +29,9 @@ import ipaddress  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -63,6 +65,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen, sig: int, timeout_s: float = 90) -> None:
+    """Send ``sig`` to the process group of ``proc`` (started with ``start_new_session=True``: ``ray start``,
+    ``serve run``) and wait for it; SIGKILL the group if it has not exited after ``timeout_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def http_status(url: str) -> int:
+    """HTTP status of a GET on ``url``; 0 when there is no answer (nothing listening yet, an error status, a
+    timeout), for polling a server that is starting."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except Exception:
+        return 0
 
 
 # --- Ray stays on this machine ------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -45,7 +44,9 @@ import yaml
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from conftest import LOOPBACK, REPO_ROOT, RAY_LOGICAL_CPUS, free_port, make_tiny_models, wait_for_app  # noqa: E402
+from conftest import (  # noqa: E402
+    LOOPBACK, REPO_ROOT, RAY_LOGICAL_CPUS, free_port, http_status, make_tiny_models, stop_process_group, wait_for_app,
+)
 from kimi_k3_serve import cli  # noqa: E402
 from kimi_k3_serve.checkpoint import local_copy  # noqa: E402
 
@@ -53,24 +54,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 DOWNLOADS_ENV = "KIMI_K3_SERVE_TEST_DOWNLOADS"
 READY_TIMEOUT_S = 900
 APP = "kimi-k3-serve-dev-pp"
-
-
-def _stop(proc: subprocess.Popen, sig: int, timeout_s: float = 90) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except Exception:
-        return 0
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +112,7 @@ def _serve_run(config: Path, address: str, log_path: Path):
         try:
             yield proc
         finally:
-            _stop(proc, signal.SIGINT)
+            stop_process_group(proc, signal.SIGINT)
             _delete_app(address)
 
 
@@ -150,7 +133,7 @@ def _delete_app(address: str) -> None:
 
 
 def _wait_for_routes(serve: subprocess.Popen, base: str, log_path: Path, started: float) -> None:
-    while _status(f"{base}/-/routes") != 200:  # serve run has started Serve and is deploying
+    while http_status(f"{base}/-/routes") != 200:  # serve run has started Serve and is deploying
         assert serve.poll() is None, f"serve run exited with {serve.returncode}: {log_path.read_text()[-5000:]}"
         assert time.monotonic() - started < READY_TIMEOUT_S, log_path.read_text()[-5000:]
         time.sleep(3)

@@ -14,35 +14,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 import yaml
 
-from conftest import LOOPBACK, RAY_LOGICAL_CPUS, REPO_ROOT, assert_ray_stays_on_this_machine, free_port, wait_for_app
+from conftest import (
+    LOOPBACK, RAY_LOGICAL_CPUS, REPO_ROOT, assert_ray_stays_on_this_machine, free_port, http_status, stop_process_group,
+    wait_for_app,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 READY_TIMEOUT_S = 900
-
-
-def _stop(proc: subprocess.Popen, sig: int, timeout_s: float = 90) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except Exception:
-        return 0
 
 
 @pytest.fixture
@@ -67,7 +51,7 @@ def ray_cli_head(tiny_models):
             time.sleep(1)
         yield f"{LOOPBACK}:{port}", env, temp_dir
     finally:
-        _stop(head, signal.SIGTERM)  # `ray start --block` stops its own processes on SIGTERM
+        stop_process_group(head, signal.SIGTERM)  # `ray start --block` stops its own processes on SIGTERM
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -92,7 +76,7 @@ def test_serve_run_dev_yaml_answers_a_chat_request(ray_cli_head, tmp_path):
                                  stdout=log, stderr=subprocess.STDOUT, env={**env, "RAY_ADDRESS": address},
                                  cwd=REPO_ROOT, start_new_session=True)
         try:
-            while _status(f"{base}/-/routes") != 200:  # serve run has started Serve and is deploying
+            while http_status(f"{base}/-/routes") != 200:  # serve run has started Serve and is deploying
                 assert serve.poll() is None, f"serve run exited with {serve.returncode}: {log_path.read_text()[-3000:]}"
                 assert time.monotonic() - started < READY_TIMEOUT_S, log_path.read_text()[-3000:]
                 time.sleep(3)
@@ -106,4 +90,4 @@ def test_serve_run_dev_yaml_answers_a_chat_request(ray_cli_head, tmp_path):
             assert_ray_stays_on_this_machine()
         finally:
             ray.shutdown()
-            _stop(serve, signal.SIGINT)  # Ctrl-C: serve run deletes its applications and exits
+            stop_process_group(serve, signal.SIGINT)  # Ctrl-C: serve run deletes its applications and exits

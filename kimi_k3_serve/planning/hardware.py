@@ -350,15 +350,20 @@ class NodeIo:
 
 _MiB = 2**20
 
+_P5EN_IO = NodeIo(
+    "p5en.48xlarge", 100 * 10**9 // 8, None,
+    "network: Amazon S3 performance guidelines, 'up to 100 Gb/s' to one EC2 instance (docs.aws.amazon.com/AmazonS3/"
+    "latest/userguide/optimizing-performance-guidelines.html); the 3,200 Gbps EFAv3 fabric does not carry S3/hub "
+    "traffic. disk: the launcher files put the folder on EBS (EBS_VOLUME_READ); the 8x 3.84 TB instance-store "
+    "NVMe has no published throughput",
+)
+
 NODE_IO: tuple[NodeIo, ...] = (
-    NodeIo("p5en.48xlarge", 100 * 10**9 // 8, None,
-           "network: Amazon S3 performance guidelines, 'up to 100 Gb/s' to one EC2 instance (docs.aws.amazon.com/AmazonS3/"
-           "latest/userguide/optimizing-performance-guidelines.html); the 3,200 Gbps EFAv3 fabric does not carry S3/hub "
-           "traffic. disk: the launcher files put the folder on EBS (EBS_VOLUME_READ); the 8x 3.84 TB instance-store "
-           "NVMe has no published throughput"),
-    NodeIo("p5e.48xlarge", 100 * 10**9 // 8, None, "as p5en.48xlarge (same S3 guideline)"),
-    NodeIo("p5.48xlarge", 100 * 10**9 // 8, None, "as p5en.48xlarge (same S3 guideline)"),
-    NodeIo("p6-b200.48xlarge", 100 * 10**9 // 8, None, "as p5en.48xlarge (same S3 guideline)"),
+    _P5EN_IO,
+    # p5en's figures: the S3 guideline it cites ("up to 100 Gb/s" to one EC2 instance) is the same for these types,
+    # and none of them declares a disk read either.
+    *(NodeIo(name, _P5EN_IO.network_bytes_per_s, _P5EN_IO.disk_read_bytes_per_s, "as p5en.48xlarge (same S3 guideline)")
+      for name in ("p5e.48xlarge", "p5.48xlarge", "p6-b200.48xlarge")),
 )
 
 EBS_VOLUME_READ: dict[str, tuple[int, str]] = {
