@@ -36,7 +36,8 @@ def ray_cli_head(tiny_models):
     port = free_port()
     # No token auth: this process joins the head too, and Ray reads its auth settings once per process, so a
     # head with a token fails here after any earlier test's Ray. Bound to loopback, it is not reachable from outside.
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    # Said outright: with RAY_AUTH_MODE unset, Ray 2.60 turns token auth on wherever ~/.ray/auth_token exists.
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled"}
     log = open(Path(temp_dir) / "ray-head.log", "w")
     head = subprocess.Popen(
         [sys.executable, "-c", "from ray.scripts.scripts import main; main()", "start", "--head", "--block",
