@@ -1,0 +1,53 @@
+"""Rewrite the machine paths in recorded fixtures: the checkout's own prefix goes (paths become relative to the
+repository root), and a temp dir is written ``$TMPDIR/...``. A fixture then names nothing of the machine it was
+recorded on beyond what the run itself chose (the GPU host's /var/tmp work folders, which run_all.sh takes from
+``KIMI_K3_SERVE_GPU_RUNS`` and ``KIMI_K3_SERVE_MODEL_CACHE``).
+
+    python scripts/normalize_fixture_paths.py tests/fixtures/gpu/2026-12-01-round3   # after copying a run in
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+CHECKOUTS = ("/work/main",)
+"""Where the checkouts that recorded the fixtures lived (this machine's and the GPU host's copy of it)."""
+TEMP = re.compile(r"(?<![\w.-])/tmp/")
+"""``/tmp/`` as a path of its own, not the tail of ``/var/tmp/``."""
+
+
+def normalized(text: str) -> str:
+    for checkout in CHECKOUTS:
+        text = re.sub(re.escape(checkout) + r"(/|(?![\w.-]))", lambda m: "" if m.group(1) == "/" else ".", text)
+    return TEMP.sub("$TMPDIR/", text)
+
+
+def names_a_machine_path(text: str) -> bool:
+    return normalized(text) != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    changed = 0
+    for folder in args.folders:
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            try:
+                with open(path, newline="") as f:  # progress bars keep their carriage returns
+                    text = f.read()
+            except UnicodeDecodeError:
+                continue  # archives and images: nothing to rewrite
+            if names_a_machine_path(text):
+                with open(path, "w", newline="") as f:
+                    f.write(normalized(text))
+                changed += 1
+    print(f"{changed} file(s) rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
