@@ -58,11 +58,12 @@ probabilities / log-probabilities the sampler derives): a factor fitted with ``N
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.67 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
-(in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
+once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
 CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.13 * MiB), "default": 0}
-"""What one local decoder layer adds per captured graph (fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
+"""What one local decoder layer adds to the estimate, once for the stage, not per graph (fitted with
+``CUDA_GRAPH_PER_GRAPH``; charged per graph and refitted, it over-predicted r49-s0-b2048-s512 by 164 %)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
