@@ -12,6 +12,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import Iterator
 
 CHECKOUTS = ("/work/main",)
 """Where the checkouts that recorded the fixtures lived (this machine's and the GPU host's copy of it)."""
@@ -25,8 +26,17 @@ def normalized(text: str) -> str:
     return TEMP.sub("$TMPDIR/", text)
 
 
-def names_a_machine_path(text: str) -> bool:
-    return normalized(text) != text
+def rewrites(folder: Path) -> Iterator[tuple[Path, str]]:
+    """(file, its text normalized) for every text file under ``folder`` that names a machine path."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        try:
+            with open(path, newline="") as f:  # progress bars keep their carriage returns
+                text = f.read()
+        except UnicodeDecodeError:
+            continue  # archives and images: nothing to rewrite
+        new = normalized(text)
+        if new != text:
+            yield path, new
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,16 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     changed = 0
     for folder in args.folders:
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-            try:
-                with open(path, newline="") as f:  # progress bars keep their carriage returns
-                    text = f.read()
-            except UnicodeDecodeError:
-                continue  # archives and images: nothing to rewrite
-            if names_a_machine_path(text):
-                with open(path, "w", newline="") as f:
-                    f.write(normalized(text))
-                changed += 1
+        for path, text in list(rewrites(folder)):
+            with open(path, "w", newline="") as f:
+                f.write(text)
+            changed += 1
     print(f"{changed} file(s) rewritten")
     return 0
 
