@@ -107,9 +107,8 @@ def constants(group: Group, values: tuple[float, ...]):
 
 
 def _runs(group: Group) -> list[Path]:
-    return [d for d in sorted(memory_accuracy.FIXTURES.glob("*/*")) if (d / "vllm.log").is_file()
-            and d.name != "k8-tp1-b2048-s256-eagle3"
-            and not (group.kimi_only and d.name.startswith(("llama", "qwen", "deepseek")))]
+    return [d for d in memory_accuracy.run_dirs()
+            if not (group.kimi_only and d.name.startswith(("llama", "qwen", "deepseek")))]
 
 
 def _estimates(group: Group, run_dirs: list[Path], values: tuple[float, ...]) -> dict[str, tuple[str, int, int]]:
