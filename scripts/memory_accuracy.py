@@ -50,6 +50,10 @@ FIT_RUNS = {
     "k4-tp1-llm-defaults-b16384-s1024": "sampler copies, TP1 non-torch",
     "llama-3.1-8b-tp1": "default per-graph CUDA-graph cost",
     "rehearse-tp2": "TP2 non-torch (NON_TORCH_TP2, with serve-one-gpu)",
+    "k8-tp1-b8192-s512-nodraft": "sampler copies, TP1 non-torch, Kimi-K3 per-graph CUDA-graph cost (a second full-width "
+                                 "run without a draft)",
+    "r23-s3-pp4-dspark": "DSpark's per-layer CUDA-graph cost (23 layers)",
+    "r31-s2-pp3-dspark": "DSpark's per-layer CUDA-graph cost (31 layers)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark",
@@ -208,6 +212,11 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
         why = (f"vLLM stopped: {_root_cause(reading.errors)}" if reading.errors
                else "stopped at the call's deadline while loading: weights only")
         note = (note + "; " if note else "") + why
+    stderr = run_dir / "stderr.txt"
+    if reading.started and stderr.is_file() and "(--timeout)" in stderr.read_text(errors="replace"):
+        note = ((note + "; " if note else "") + "stopped at its --timeout after vLLM's engine start (KV cache sized, "
+                "CUDA graphs captured, warmup done: vLLM's `init engine` line), while its first generation was "
+                "compiling kernels")
     ranks = compare(report, reading).ranks  # one per GPU of the engine (a DP run: one engine's, DP rank 0)
 
     def pair(rank, name: str) -> tuple[int, int | None]:
@@ -330,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         "`scripts/fit_memory_constants.py` fits each group of `planning/memory.py`'s fitted constants by non-negative "
         "least squares on the relative errors of the fit runs the group names (`CUDA_GRAPH_FIT_RUNS`, "
         "`PROFILE_FIT_RUNS`; each a fit run of the matrix), and tests/test_rehearsal.py checks the shipped values are "
-        "that fit. Leave-one-out refits a group without each of its fit runs and predicts that run: a run that alone "
-        "fixes a constant (the only full-width run without a draft; the only run at 1024 sequences) is badly "
-        "predicted without it, which says that term rests on one run; the DSpark per-layer term rests on one deep "
-        "DSpark fit run (r11-s7-pp8-dspark), and over-predicts the 44-layer ranks. The validation runs "
+        "that fit. Leave-one-out refits a group without each of its fit runs and predicts that run: a term that rests "
+        "on one run is badly predicted without it. Since round 4 (2026-12-02) every CUDA-graph term has at least two "
+        "fit runs (three deep DSpark stages of 11, 23 and 31 layers; two runs without a draft at full width and two "
+        "on TP8 ranks), and the profile group's worst leave-one-out is the 256-sequence DSpark run. The validation runs "
         "set nothing; their worst errors in the unsafe direction set the bands. FlashKDA's scratch share "
         "(`FLASHKDA_SCRATCH_FRACTION`) was read from the one run where FlashKDA alone grew vLLM's workspace: no "
         "leave-one-out exists for it.", "",

@@ -38,7 +38,7 @@ from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split,
 from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(582.90 * MiB)
+NON_TORCH_TP1 = int(654.42 * MiB)
 NON_TORCH_TP2 = NON_TORCH_TP1
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
 """Post-snapshot memory the profile sees besides weights and activations. TP1: 0.57 GiB, fitted with
@@ -48,38 +48,40 @@ TP2 (one node): as at TP1. vLLM's own split of the TP2 rehearsal (2 x H200, test
 rehearse-tp2) has 32.72 - 30.03 = 2.69 GiB consumed besides weights, against 61.52 - 58.69 = 2.83 GiB at TP1 with the
 same settings (2026-11-30-second-host/serve-one-gpu): the TP group's buffers add nothing measurable there.
 TP > 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory.md 1.2, 5), not yet measured here."""
-PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k4-tp1-llm-defaults-b16384-s1024")
+PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k4-tp1-llm-defaults-b16384-s1024",
+                    "k8-tp1-b8192-s512-nodraft")
 """The fit runs ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` are fitted on together (4-layer Kimi-K3 slices on
 one H200 at 256 and 1024 sequences, 2026-11-30; ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 3.73
+SAMPLER_FP32_VOCAB_COPIES = 3.16
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
 probabilities / log-probabilities the sampler derives): a factor fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``
 (256 and 1024 sequences); the forward's output is still held, so the two add up."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.67 * MiB), "default": 14 * MiB}
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.78 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
 once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.13 * MiB), "default": 0}
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.08 * MiB), "default": 0}
 """What one local decoder layer adds to the estimate, once for the stage, not per graph (fitted with
 ``CUDA_GRAPH_PER_GRAPH``; charged per graph and refitted, it over-predicted r49-s0-b2048-s512 by 164 %)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(8.04 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(12.03 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: none per target graph; its drafter's own graphs
 are counted instead (``eagle3_draft_graphs``), each at the target's per-graph cost (not fitted on an EAGLE3 run)."""
-CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.45 * MiB)}
-CUDA_GRAPH_DRAFT_PER_LAYER = {"dspark": int(1.06 * MiB)}
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.43 * MiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER = {"dspark": int(0.62 * MiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it (fitted with
 ``CUDA_GRAPH_PER_GRAPH``). vLLM's estimate charges every FULL graph at the second-largest one's increment
 (``_extrapolate_full_graph_memory``); on the TP8 rank slices with DSpark the estimate grew with depth at the same
 graph counts (11 -> 44 layers: 0.90 -> 1.27 GiB), where without a draft it barely did (23 -> 49 layers: 0.20 -> 0.25)."""
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
-                       "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark")
+                       "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark", "k8-tp1-b8192-s512-nodraft",
+                       "r23-s3-pp4-dspark", "r31-s2-pp3-dspark")
 """The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
 on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11, 23 and 31 layers, with DSpark and without."""
 CUDA_GRAPH_FITTED_LAYERS = (4, 31)
@@ -96,7 +98,8 @@ USAGE_CONTEXTS = ("ray_serve", "openai_api_server", "llm_class")
 VERDICTS = ("fits", "cannot_start", "oom_at_load", "no_kv_space", "seqs_over_state_blocks", "oom_at_warmup", "at_risk")
 """vLLM's engine start, in order: the free-memory check (``request_memory``), loading the weights, sizing the KV
 cache from the profile (budget minus non-KV must hold one request), then warmup (allocations after the KV cache).
-``at_risk``: it fits at the plan's point estimates, not with every measured error band against it."""
+``at_risk``: it fits at the plan's point estimates, not with every measured error band against it; or its KV pool
+falls short at the point estimates, but not with every band in the plan's favour (vLLM may start or refuse)."""
 KV_DTYPE_BYTES = {"auto": 0, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
 
 
@@ -460,6 +463,10 @@ def estimate_memory(
     banded = pools_per_engine(grouping, [local[rank_stage[r]] for r in range(world)],
                               [a - b for a, b in zip(avail, bands)], ranks_per_engine=layout.tp * layout.pp,
                               max_model_len=engine.max_model_len, dcp=layout.dcp)
+    # And with every band in the plan's favour: where vLLM's pool may still be large enough, "does not fit" is unproven.
+    favoured = pools_per_engine(grouping, [local[rank_stage[r]] for r in range(world)],
+                                [a + b for a, b in zip(avail, bands)], ranks_per_engine=layout.tp * layout.pp,
+                                max_model_len=engine.max_model_len, dcp=layout.dcp)
     state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
     state_blocks = sum(g.blocks_per_request(engine.max_model_len) for g in state_groups)
     page = grouping.groups[0].page_of(0) if grouping.groups else 0
@@ -494,8 +501,16 @@ def estimate_memory(
         notes.append(f"at risk: it fits at the plan's point estimates, not with their measured error bands against it "
                      f"(up to {max(bands) / GiB:.2f} GiB of KV pool per GPU: weights, profile and CUDA graphs at the top "
                      f"of the errors their validation runs showed); vLLM may refuse or OOM")
+    in_band = (verdict == "seqs_over_state_blocks" and seqs <= favoured.num_blocks) or (
+        verdict == "no_kv_space" and not any(favoured.shortfall_bytes)
+        and favoured.num_blocks >= favoured.blocks_per_request and not (full_graphs and seqs > favoured.num_blocks))
+    if in_band and not any(r.warmup_shortfall_bytes for r in ranks):
+        notes.append(f"at risk: {verdict} at the plan's point estimates ({pool.num_blocks:,} KV-cache blocks), but within "
+                     f"the measured error bands ({favoured.num_blocks:,} blocks with every band in the plan's favour): "
+                     f"vLLM may start or refuse")
+        verdict = "at_risk"
     fits = verdict == "fits"
-    if verdict == "seqs_over_state_blocks":
+    if verdict == "seqs_over_state_blocks" or (verdict == "at_risk" and full_graphs and seqs > pool.num_blocks):
         notes.append(
             f"vLLM would refuse to capture CUDA graphs: max_num_seqs {seqs:,} exceeds the {pool.num_blocks:,} KV-cache "
             f"blocks, and every decoding sequence holds one KDA state block (config/compilation.py); set max_num_seqs "
