@@ -8,9 +8,9 @@ constants, so a group is fitted by non-negative least squares (relative errors) 
   and, on the last stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank + draft_per_layer x
   the stage's layers`` per FULL graph for DSpark. Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
 - ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations (from
-  the shapes), ``NON_TORCH_TP1`` on one GPU, and the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32
-  ``max_num_seqs x vocab`` tensors (a fitted factor: about four tensors at the peak). Fit runs:
-  ``PROFILE_FIT_RUNS``.
+  the shapes), ``NON_TORCH_TP1`` on one GPU, the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32
+  ``max_num_seqs x vocab`` tensors and, with DSpark, ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the
+  dummy batch's speculative positions (fitted factors). Fit runs: ``PROFILE_FIT_RUNS``.
 
 Printed per group: the constants, each fit run's residual, leave-one-out over the fit runs (the group refitted
 without that run, the run predicted), and the error on every validation run (which sets nothing).
@@ -58,8 +58,9 @@ GROUPS = (
                          ("CUDA_GRAPH_PER_HEAD", "kimi_k3"), ("CUDA_GRAPH_DRAFT_PER_GRAPH", "dspark"),
                          ("CUDA_GRAPH_DRAFT_PER_HEAD", "dspark"), ("CUDA_GRAPH_DRAFT_PER_LAYER", "dspark")), "cuda_graph",
           memory.CUDA_GRAPH_FIT_RUNS),
-    Group("profile", (("NON_TORCH_TP1", None), ("SAMPLER_FP32_VOCAB_COPIES", None)), "profile", memory.PROFILE_FIT_RUNS,
-          integer_scale=(1,)),
+    Group("profile", (("NON_TORCH_TP1", None), ("SAMPLER_FP32_VOCAB_COPIES", None),
+                      ("DSPARK_PROFILE_LOGITS_COPIES", None)), "profile", memory.PROFILE_FIT_RUNS,
+          integer_scale=(1, 2)),
 )
 CONSTANTS = GROUPS[0].constants
 """The CUDA-graph group's constants (tests/test_rehearsal.py checks them against the fit)."""

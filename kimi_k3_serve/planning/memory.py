@@ -38,24 +38,35 @@ from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split,
 from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(654.42 * MiB)
+NON_TORCH_TP1 = int(439.69 * MiB)
 NON_TORCH_TP2 = NON_TORCH_TP1
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.57 GiB, fitted with
-``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS`` by scripts/fit_memory_constants.py (H200 runs of 2026-11-30;
-leave-one-out in docs/memory-accuracy.md; the llm-d v0.19 H100 sweep had 0.25 GiB).
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.43 GiB, fitted with
+``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
+scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-02; leave-one-out in docs/memory-accuracy.md; the
+llm-d v0.19 H100 sweep had 0.25 GiB).
 TP2 (one node): as at TP1. vLLM's own split of the TP2 rehearsal (2 x H200, tests/fixtures/gpu/2026-11-30-two-gpus/
 rehearse-tp2) has 32.72 - 30.03 = 2.69 GiB consumed besides weights, against 61.52 - 58.69 = 2.83 GiB at TP1 with the
 same settings (2026-11-30-second-host/serve-one-gpu): the TP group's buffers add nothing measurable there.
 TP > 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory.md 1.2, 5), not yet measured here."""
 PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k4-tp1-llm-defaults-b16384-s1024",
-                    "k8-tp1-b8192-s512-nodraft")
-"""The fit runs ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` are fitted on together (4-layer Kimi-K3 slices on
-one H200 at 256 and 1024 sequences, 2026-11-30; ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 3.16
+                    "k8-tp1-b8192-s512-nodraft", "k4-tp1-b8192-s1024-nodraft", "k6-tp1-b8192-s768-dspark-u080",
+                    "rehearse-tp2", "r11-s7-pp8-dspark", "r23-s0-pp4", "r31-s1-pp3", "r23-s3-pp4-dspark",
+                    "r31-s2-pp3-dspark")
+"""The fit runs the profile group (``NON_TORCH_TP1``, ``SAMPLER_FP32_VOCAB_COPIES``, ``DSPARK_PROFILE_LOGITS_COPIES``) is
+fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 to 8 layers at 256 to 1024 sequences,
+with DSpark and without, TP2, and TP8 rank slices of 11 to 31 layers; H200, 2026-11-30 to 2026-12-02;
+``scripts/fit_memory_constants.py``)."""
+SAMPLER_FP32_VOCAB_COPIES = 2.43
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
 probabilities / log-probabilities the sampler derives): a factor fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``
-(256 and 1024 sequences); the forward's output is still held, so the two add up."""
+(16 to 1024 sequences); the forward's output is still held, so the two add up."""
+DSPARK_PROFILE_LOGITS_COPIES = 0.62
+"""In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
+model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
+``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
+positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_steps`` rows). A factor of those bf16
+``rows x vocab`` tensors, fitted with ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS``."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.78 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
@@ -98,8 +109,7 @@ USAGE_CONTEXTS = ("ray_serve", "openai_api_server", "llm_class")
 VERDICTS = ("fits", "cannot_start", "oom_at_load", "no_kv_space", "seqs_over_state_blocks", "oom_at_warmup", "at_risk")
 """vLLM's engine start, in order: the free-memory check (``request_memory``), loading the weights, sizing the KV
 cache from the profile (budget minus non-KV must hold one request), then warmup (allocations after the KV cache).
-``at_risk``: it fits at the plan's point estimates, not with every measured error band against it; or its KV pool
-falls short at the point estimates, but not with every band in the plan's favour (vLLM may start or refuse)."""
+``at_risk``: it fits at the plan's point estimates, not with every measured error band against it."""
 KV_DTYPE_BYTES = {"auto": 0, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
 
 
@@ -399,7 +409,7 @@ def estimate_memory(
         draft_bytes = _draft_bytes(model, draft, spec, layout, s, engine.load_format) if spec else 0
         act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft,
                                                  (spec.draft_tp or layout.tp) if spec else layout.tp,
-                                                 engine.max_model_len, block_size)
+                                                 engine.max_model_len, block_size, num_spec)
         non_torch = NON_TORCH_TP1 if layout.tp == 1 else NON_TORCH_TP2 if layout.tp == 2 else NON_TORCH_TP_MULTI
         nt_margin = GiB if layout.tp > 1 else GiB // 4
         cg, cg_margin, cg_basis = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
@@ -463,10 +473,6 @@ def estimate_memory(
     banded = pools_per_engine(grouping, [local[rank_stage[r]] for r in range(world)],
                               [a - b for a, b in zip(avail, bands)], ranks_per_engine=layout.tp * layout.pp,
                               max_model_len=engine.max_model_len, dcp=layout.dcp)
-    # And with every band in the plan's favour: where vLLM's pool may still be large enough, "does not fit" is unproven.
-    favoured = pools_per_engine(grouping, [local[rank_stage[r]] for r in range(world)],
-                                [a + b for a, b in zip(avail, bands)], ranks_per_engine=layout.tp * layout.pp,
-                                max_model_len=engine.max_model_len, dcp=layout.dcp)
     state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
     state_blocks = sum(g.blocks_per_request(engine.max_model_len) for g in state_groups)
     page = grouping.groups[0].page_of(0) if grouping.groups else 0
@@ -501,16 +507,8 @@ def estimate_memory(
         notes.append(f"at risk: it fits at the plan's point estimates, not with their measured error bands against it "
                      f"(up to {max(bands) / GiB:.2f} GiB of KV pool per GPU: weights, profile and CUDA graphs at the top "
                      f"of the errors their validation runs showed); vLLM may refuse or OOM")
-    in_band = (verdict == "seqs_over_state_blocks" and seqs <= favoured.num_blocks) or (
-        verdict == "no_kv_space" and not any(favoured.shortfall_bytes)
-        and favoured.num_blocks >= favoured.blocks_per_request and not (full_graphs and seqs > favoured.num_blocks))
-    if in_band and not any(r.warmup_shortfall_bytes for r in ranks):
-        notes.append(f"at risk: {verdict} at the plan's point estimates ({pool.num_blocks:,} KV-cache blocks), but within "
-                     f"the measured error bands ({favoured.num_blocks:,} blocks with every band in the plan's favour): "
-                     f"vLLM may start or refuse")
-        verdict = "at_risk"
     fits = verdict == "fits"
-    if verdict == "seqs_over_state_blocks" or (verdict == "at_risk" and full_graphs and seqs > pool.num_blocks):
+    if verdict == "seqs_over_state_blocks":
         notes.append(
             f"vLLM would refuse to capture CUDA graphs: max_num_seqs {seqs:,} exceeds the {pool.num_blocks:,} KV-cache "
             f"blocks, and every decoding sequence holds one KDA state block (config/compilation.py); set max_num_seqs "
@@ -819,7 +817,7 @@ def _padded_state(spec: StatePageSpec, attn_page: int) -> StatePageSpec:
 
 def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, end: int, mnbt: int, seqs: int,
                 draft: ModelInventory | None, draft_tp: int = 1, max_model_len: int = 0,
-                block_size: int = 0) -> tuple[int, int, str]:
+                block_size: int = 0, num_spec: int = 0) -> tuple[int, int, str]:
     """Peak transient memory of vLLM's profile run: one forward at ``max_num_batched_tokens`` tokens, then, on the
     last stage, the sampler at ``max_num_seqs`` requests while the forward's output is still held (the two add up).
     An MLA EAGLE3 draft's own step can set the peak instead (``eagle3_mla_profile_bytes``): the larger is taken."""
@@ -835,6 +833,11 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             peak += mnbt * draft.hidden_size * 2 * 6
         peak += int(seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES)
         basis += f" + sampler at max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES:g} fp32 copies, fitted)"
+        if draft is not None and draft.family == "dspark" and num_spec:
+            rows = dspark_profile_logit_rows(mnbt, seqs, num_spec)
+            peak += int(rows * draft.vocab_size * 2 * DSPARK_PROFILE_LOGITS_COPIES)
+            basis += (f" + DSpark's draft logits in the profile run, {rows:,} rows x vocab {draft.vocab_size} "
+                      f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted)")
         if draft is not None and draft.draft is not None and draft.draft.generic_mla is not None:
             held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len, block_size,
                                                        layout.dcp)
@@ -851,6 +854,13 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                       f"output {simulated / GiB:.2f} (exact shapes, vLLM mla_attention.py forward_impl)")
             peak = max(peak, step)
     return peak, max(peak // 4, 256 * MiB), basis + "; +-25% (H200 residuals <= 0.3 GiB)"
+
+
+def dspark_profile_logit_rows(mnbt: int, seqs: int, num_spec: int) -> int:
+    """Rows of DSpark's draft logits in vLLM 0.32's profile run: the dummy batch's requests, ``min(max_num_seqs,
+    max_num_batched_tokens // num_query_per_req)`` (``_dummy_run``; DSpark samples from the anchor, so a request's
+    query is its ``num_spec`` positions), each with ``num_spec`` positions."""
+    return min(seqs, mnbt, mnbt // max(num_spec, 1)) * num_spec
 
 
 MLA_CHUNKED_PREFILL_MAX_ROWS = 64 * 1024

@@ -177,6 +177,16 @@ SETS: dict[str, list[Job]] = {
         rank("r44-s1-dspark-s64", 1, role="validation", seqs=64, expected_s=200),
         rank("r49-s0-b16384-s64-u090", 0, role="validation", tokens=16384, seqs=64, util=0.90, expected_s=200),
     ],
+    # The fifth round on one GPU, roles fixed on 2026-12-02 before any of them ran. Round 4's one unsafe KV miss on a
+    # deployment shape was stage 0's rank at 16,384 batched tokens (r49-s0-b16384-s64-u090, +3.7 %: its profile
+    # 0.24 GiB under), and no fit run of the profile group has more than 8,192 tokens on a rank slice: two fit runs
+    # at 16,384 tokens, and two validation runs between the budgets, on both stages.
+    "ranks-round5": [
+        rank("r49-s0-b16384-s16", 0, role="fit", tokens=16384, expected_s=200),
+        rank("r31-s1-pp3-b16384", 1, role="fit", pp=3, tokens=16384, expected_s=200),
+        rank("r49-s0-b12288-s128-u090", 0, role="validation", tokens=12288, seqs=128, util=0.90, expected_s=220),
+        rank("r44-s1-dspark-b12288-s128", 1, role="validation", tokens=12288, seqs=128, expected_s=240),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
