@@ -252,11 +252,11 @@ def test_the_mla_eagle3_draft_meets_vllm_at_full_width_and_on_a_tp8_rank(runs) -
     for r in eagle.values():
         assert r.role == "validation", r.name  # scored here, never fitted on
         assert abs(accuracy.RunAccuracy.error(r.weights)) <= 0.003, (r.name, r.weights)
-        assert -0.07 <= accuracy.RunAccuracy.error(r.profile) <= 0.12, (r.name, r.profile)  # over: the safe side
+        assert -0.07 <= accuracy.RunAccuracy.error(r.profile) <= 0.1, (r.name, r.profile)  # over: the safe side
         assert -0.15 <= accuracy.RunAccuracy.error(r.cuda_graph) <= 0.2, (r.name, r.cuda_graph)
         assert abs(accuracy.RunAccuracy.error(r.kv)) <= 0.01, (r.name, r.kv)
     full = eagle["serve-one-gpu-eagle3-mla"]
-    assert abs(full.profile[0] - full.profile[1]) <= 0.2 * GiB  # 7.77 / 7.61 GiB (NON_TORCH_TP1 refitted, round 4)
+    assert abs(full.profile[0] - full.profile[1]) <= 0.1 * GiB  # 7.56 / 7.61 GiB
 
 
 def test_dspark_profile_run_draft_logits_follow_vllms_dummy_batch(runs) -> None:
