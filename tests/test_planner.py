@@ -158,18 +158,28 @@ def test_uneven_partition_when_it_holds_more(k3):
 
 
 def test_uneven_partition_when_only_it_fits(k3):
-    # A length between what vLLM's split holds and what 48/45 holds: only the uneven split fits. The pool holds
-    # about max_concurrency x max_model_len tokens, so the midpoint is read off a plan at 1 Mi tokens. That
-    # length is beyond Kimi-K3's positions (bad input to the CLI); only the memory arithmetic is under test here.
+    # At the longest length any TP8 x PP2 split holds, only the uneven split fits: vLLM's own split is short there.
+    # The length is found by bisection (block rounding makes a length read off the concurrency land on either side),
+    # and it is beyond Kimi-K3's positions (bad input to the CLI); only the memory arithmetic is under test here.
     k3 = replace(k3, max_model_len_limit=0)
     cluster = declared_cluster("H200", 2)
-    probe = plan(k3, EngineSettings(max_model_len=1_048_576), cluster, Pins(tp=8, pp=2))
-    assert probe.layout.layer_partition == (48, 45)
-    length = int(1_048_576 * (probe.report.max_concurrency + _vllm_split(probe).report.max_concurrency) / 2)
-    result = plan(k3, EngineSettings(max_model_len=length), cluster, Pins(tp=8, pp=2))
+
+    def planned(length: int):
+        try:
+            return plan(k3, EngineSettings(max_model_len=length), cluster, Pins(tp=8, pp=2))
+        except NoLayoutFitsError:
+            return None
+
+    assert planned(1_048_576).layout.layer_partition == (48, 45)
+    lo, hi = 1_048_576, 4 * 1_048_576
+    assert planned(hi) is None
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if planned(mid) else (lo, mid)
+    result = planned(lo)
     default = _vllm_split(result)
-    assert (default.fits, default.report.verdict) == (False, "no_kv_space"), length
-    assert result.report.fits and result.layout.layer_partition == (48, 45), length
+    assert (default.fits, default.report.verdict) == (False, "no_kv_space"), lo
+    assert result.report.fits and result.layout.layer_partition == (48, 45), lo
 
 
 def test_fake_gpus_cannot_be_sized(k3):
