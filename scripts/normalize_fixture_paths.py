@@ -4,6 +4,10 @@ recorded on beyond what the run itself chose (the GPU host's /var/tmp work folde
 ``KIMI_K3_SERVE_GPU_RUNS`` and ``KIMI_K3_SERVE_MODEL_CACHE``).
 
     python scripts/normalize_fixture_paths.py tests/fixtures/gpu/2026-12-01-round3   # after copying a run in
+    python scripts/normalize_fixture_paths.py --checkout /srv/ci/kimi-k3-serve FOLDER  # a run recorded elsewhere too
+
+The device machine runs in a copy of the working tree at this checkout's own path, so this checkout's root is the
+prefix by default.
 """
 
 from __future__ import annotations
@@ -14,19 +18,20 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-CHECKOUTS = ("/work/main",)
-"""Where the checkouts that recorded the fixtures lived (this machine's and the GPU host's copy of it)."""
+ROOT = Path(__file__).resolve().parents[1]
+CHECKOUTS = (str(ROOT),)
+"""Where the checkouts that recorded the fixtures lived by default: this one (the GPU host's copy shares its path)."""
 TEMP = re.compile(r"(?<![\w.-])/tmp/")
 """``/tmp/`` as a path of its own, not the tail of ``/var/tmp/``."""
 
 
-def normalized(text: str) -> str:
-    for checkout in CHECKOUTS:
+def normalized(text: str, checkouts: tuple[str, ...] = CHECKOUTS) -> str:
+    for checkout in checkouts:
         text = re.sub(re.escape(checkout) + r"(/|(?![\w.-]))", lambda m: "" if m.group(1) == "/" else ".", text)
     return TEMP.sub("$TMPDIR/", text)
 
 
-def rewrites(folder: Path) -> Iterator[tuple[Path, str]]:
+def rewrites(folder: Path, checkouts: tuple[str, ...] = CHECKOUTS) -> Iterator[tuple[Path, str]]:
     """(file, its text normalized) for every text file under ``folder`` that names a machine path."""
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         try:
@@ -34,7 +39,7 @@ def rewrites(folder: Path) -> Iterator[tuple[Path, str]]:
                 text = f.read()
         except UnicodeDecodeError:
             continue  # archives and images: nothing to rewrite
-        new = normalized(text)
+        new = normalized(text, checkouts)
         if new != text:
             yield path, new
 
@@ -42,10 +47,13 @@ def rewrites(folder: Path) -> Iterator[tuple[Path, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--checkout", action="append", default=[],
+                        help="another checkout's root the recorded paths may name (default: this checkout's only)")
     args = parser.parse_args(argv)
+    checkouts = (*CHECKOUTS, *(c.rstrip("/") for c in args.checkout))
     changed = 0
     for folder in args.folders:
-        for path, text in list(rewrites(folder)):
+        for path, text in list(rewrites(folder, checkouts)):
             with open(path, "w", newline="") as f:
                 f.write(text)
             changed += 1
