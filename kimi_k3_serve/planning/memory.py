@@ -860,7 +860,7 @@ def dspark_profile_logit_rows(mnbt: int, seqs: int, num_spec: int) -> int:
     """Rows of DSpark's draft logits in vLLM 0.32's profile run: the dummy batch's requests, ``min(max_num_seqs,
     max_num_batched_tokens // num_query_per_req)`` (``_dummy_run``; DSpark samples from the anchor, so a request's
     query is its ``num_spec`` positions), each with ``num_spec`` positions."""
-    return min(seqs, mnbt, mnbt // max(num_spec, 1)) * num_spec
+    return min(seqs, mnbt // max(num_spec, 1)) * num_spec
 
 
 MLA_CHUNKED_PREFILL_MAX_ROWS = 64 * 1024
