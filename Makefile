@@ -92,7 +92,8 @@ serve: install models
 test: install
 	@start=$$(date +%s)
 	set +e
-	"$(PY)" -m pytest --durations=15 $(PYTEST_ARGS)
+	# A crash in native code, during the run or at exit, prints every thread's Python stack.
+	PYTHONFAULTHANDLER=1 "$(PY)" -m pytest --durations=15 $(PYTEST_ARGS)
 	rc=$$?
 	set -e
 	echo "make test: pytest exit code $$rc after $$(( $$(date +%s) - start )) s"
