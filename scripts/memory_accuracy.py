@@ -49,7 +49,7 @@ FIT_RUNS = {
     "k4-tp1-b8192-s256-u080": "sampler copies, TP1 non-torch",
     "k4-tp1-llm-defaults-b16384-s1024": "sampler copies, TP1 non-torch",
     "llama-3.1-8b-tp1": "default per-graph CUDA-graph cost",
-    "rehearse-tp2": "TP2 non-torch (NON_TORCH_TP2, with serve-one-gpu)",
+    "rehearse-tp2": "TP2 non-torch (NON_TORCH_TP1 at TP2, with serve-one-gpu)",
     "k8-tp1-b8192-s512-nodraft": "sampler copies, TP1 non-torch, Kimi-K3 per-graph CUDA-graph cost (a second full-width "
                                  "run without a draft)",
     "r23-s3-pp4-dspark": "DSpark's per-layer CUDA-graph cost (23 layers)",

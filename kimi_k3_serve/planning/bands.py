@@ -32,7 +32,7 @@ WEIGHTS = Band("weights", 0.004, 0,
                "RoPE table was counted (now -0.26 %); the TP8 rank slices run 0.25-0.29 % under, the full-width slices "
                "under 0.1 %")
 PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
-               "r49-s0-b16384-s64-u090 (2026-12-02, round 4): 6.65 GiB planned, 6.89 GiB profiled (-0.24 GiB, -3.5 %), "
+               "r49-s0-b16384-s64-u090 (2026-12-02, round 4): 6.66 GiB planned, 6.89 GiB profiled (-0.23 GiB, -3.3 %), "
                "with DSpark's profile-run draft logits modelled and the profile group fitted on every fit run; the band "
                "stays at round 3's max(0.45 GiB, 7 %), which also covers the group's worst leave-one-out error "
                "(k8-tp1-b8192-s512-nodraft, -0.35 GiB)")

@@ -38,16 +38,17 @@ from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split,
 from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(439.69 * MiB)
-NON_TORCH_TP2 = NON_TORCH_TP1
+NON_TORCH_TP1 = int(456.28 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.43 GiB, fitted with
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.45 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
 scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-02; leave-one-out in docs/memory-accuracy.md; the
 llm-d v0.19 H100 sweep had 0.25 GiB).
-TP2 (one node): as at TP1. vLLM's own split of the TP2 rehearsal (2 x H200, tests/fixtures/gpu/2026-11-30-two-gpus/
-rehearse-tp2) has 32.72 - 30.03 = 2.69 GiB consumed besides weights, against 61.52 - 58.69 = 2.83 GiB at TP1 with the
-same settings (2026-11-30-second-host/serve-one-gpu): the TP group's buffers add nothing measurable there.
+TP2 (one node): ``NON_TORCH_TP1`` too, looked up when a plan is made (an alias bound at import kept the fitter's
+probes from reaching the TP2 fit run). vLLM's own split of the TP2 rehearsal (2 x H200,
+tests/fixtures/gpu/2026-11-30-two-gpus/rehearse-tp2) has 32.72 - 30.03 = 2.69 GiB consumed besides weights, against
+61.52 - 58.69 = 2.83 GiB at TP1 with the same settings (2026-11-30-second-host/serve-one-gpu): the TP group's buffers
+add nothing measurable there.
 TP > 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory.md 1.2, 5), not yet measured here."""
 PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k4-tp1-llm-defaults-b16384-s1024",
                     "k8-tp1-b8192-s512-nodraft", "k4-tp1-b8192-s1024-nodraft", "k6-tp1-b8192-s768-dspark-u080",
@@ -57,11 +58,11 @@ PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k
 fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 to 8 layers at 256 to 1024 sequences,
 with DSpark and without, TP2, and TP8 rank slices of 11 to 31 layers; H200, 2026-11-30 to 2026-12-02;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 2.43
+SAMPLER_FP32_VOCAB_COPIES = 2.40
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
 probabilities / log-probabilities the sampler derives): a factor fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``
 (16 to 1024 sequences); the forward's output is still held, so the two add up."""
-DSPARK_PROFILE_LOGITS_COPIES = 0.62
+DSPARK_PROFILE_LOGITS_COPIES = 0.61
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
@@ -410,7 +411,7 @@ def estimate_memory(
         act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft,
                                                  (spec.draft_tp or layout.tp) if spec else layout.tp,
                                                  engine.max_model_len, block_size, num_spec)
-        non_torch = NON_TORCH_TP1 if layout.tp == 1 else NON_TORCH_TP2 if layout.tp == 2 else NON_TORCH_TP_MULTI
+        non_torch = NON_TORCH_TP1 if layout.tp <= 2 else NON_TORCH_TP_MULTI
         nt_margin = GiB if layout.tp > 1 else GiB // 4
         cg, cg_margin, cg_basis = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
         ws = 0
