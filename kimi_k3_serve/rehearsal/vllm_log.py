@@ -248,3 +248,11 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
     readings = tuple(WorkerReading(**workers[k]) for k in order if k != -1 or len(workers[k]) > 1)
     readings = tuple(sorted(readings, key=lambda w: (w.rank is None, w.rank if w.rank is not None else 0, w.pid)))
     return EngineReading(workers=readings, last_step=STEPS[step_index], oom=oom, errors=tuple(errors), **engine)
+
+
+def captures_against_estimates(text: str) -> list[tuple[int, int]]:
+    """``(vLLM's CUDA-graph estimate, the real capture)`` of each worker that logged both, from gpu_worker.py's
+    "CUDA graph pool memory: A GiB (actual), E GiB (estimated)" (one line per worker, after the real capture). The
+    plan budgets the estimate, which vLLM deducts before it sizes the KV cache; the real capture then runs into the
+    memory the estimate left, so a capture above its estimate lands outside the budget."""
+    return [(_gib(m[2]), _gib(m[1])) for m in _CG_POOL.finditer(text)]
