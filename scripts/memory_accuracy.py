@@ -147,6 +147,11 @@ def _recorded_role(run_dir: Path) -> str:
     return json.loads(job.read_text()).get("role", "") if job.is_file() else ""
 
 
+LENT_HOST_ENV = {"NCCL_NVLS_ENABLE": "0"}
+"""What every lent GPU host exported to the engines it ran (../shared/gpu/host_setup.sh: its GPUs have no NVLink
+multicast), so no recorded run had NCCL NVLS buffers."""
+
+
 def predict_run(run_dir: Path):
     """(memory report, vLLM reading) of one recorded run, predicted with today's model on the run's GPU."""
     from kimi_k3_serve.cli import build_parser
@@ -166,7 +171,8 @@ def predict_run(run_dir: Path):
             args = rehearse.materialize_rank_slice(args, Path(work), ns.rank_of)[0]
         else:
             args = rehearse.materialize_models(args, Path(work), ns.layers)[0]
-        report = rehearse.predict(args, RankDevice(total, (9, 0), free_bytes=free, name="NVIDIA H200"))
+        report = rehearse.predict(args, RankDevice(total, (9, 0), free_bytes=free, name="NVIDIA H200"),
+                                  inherited_env=LENT_HOST_ENV)
     return report, reading
 
 

@@ -123,6 +123,10 @@ CONFIG_CASES = [
     Case("limits-a-list", "args.limits", _set("limits", [32768])),
     Case("engine-kwargs-a-string", "args.engine_kwargs", _set("engine_kwargs", "moe_backend=marlin")),
     Case("env-var-not-a-string", "args.runtime_env.env_vars.NCCL_DEBUG", _set("runtime_env.env_vars.NCCL_DEBUG", 1)),
+    Case("nvls-enable-not-a-setting", "args.runtime_env.env_vars.NCCL_NVLS_ENABLE",
+         _set("runtime_env.env_vars.NCCL_NVLS_ENABLE", "yes")),
+    Case("nvls-chunk-not-bytes", "args.runtime_env.env_vars.NCCL_NVLS_CHUNKSIZE",
+         _set("runtime_env.env_vars.NCCL_NVLS_CHUNKSIZE", "128K")),
     Case("args-a-list", "args", lambda d: d["applications"][0].__setitem__("args", ["model"])),
     # unknown keys
     Case("unknown-top-key", "args.replicas", _set("replicas", 2)),

@@ -17,6 +17,7 @@ from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.models import inventory_from_config, read_config
 from kimi_k3_serve.planning.hardware import lookup_gpu
 from kimi_k3_serve.planning.layout import RankDevice
+from kimi_k3_serve.planning.memory import NON_TORCH_TP1, NON_TORCH_TP_MULTI
 from kimi_k3_serve.rehearsal.rank_slice import RankOf, rank_text_config
 
 DEPLOY = REPO_ROOT / "deploy" / "config.yaml"
@@ -93,7 +94,10 @@ def test_the_pipeline_receive_buffer_is_a_term_of_the_later_stage_only(sliced):
     workspaces = next((t["delta_bytes"] for t in section["terms"] if t["name"] == "workspaces"), 0)
     # vLLM's make_empty_intermediate_tensors: hidden state + cdiv(49, 12) = 5 AttnRes residuals at 8192 tokens.
     assert workspaces == (0 if rank.is_first else 8192 * 7168 * 2 * (1 + 5))
-    assert any(t["name"] == "nvls_buffers" and t["delta_bytes"] is None for t in section["terms"])
+    # The real TP8 rank holds NCCL's NVLS buffers (deploy/config.yaml leaves NVLS on), the TP1 slice none: 256 MiB
+    # of the non-torch difference, the rest the TP>2 all-reduce buffers.
+    non_torch = next(t for t in section["terms"] if t["name"] == "non_torch")
+    assert non_torch["delta_bytes"] == NON_TORCH_TP_MULTI + 256 * 2**20 - NON_TORCH_TP1 and "NVLS" in non_torch["source"]
 
 
 def test_a_head_count_tp_does_not_divide_is_refused_by_name():

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from kimi_k3_serve.commands.argtypes import MAX_DP, MAX_LAYERS, MAX_PP, MAX_TP, fraction, int_from, positive_int
 from kimi_k3_serve.errors import ConfigError
@@ -269,14 +269,20 @@ def with_dummy_weights(args: ServeArgs) -> ServeArgs:
     return args.model_copy(update={"model": args.model.model_copy(update={"load_format": "dummy"})})
 
 
-def predict(args: ServeArgs, device):
+def predict(args: ServeArgs, device, inherited_env: Mapping[str, str] | None = None):
     """The plan's memory report for these args on ``device`` (a ``RankDevice``), with the dummy weights the
-    rehearsal loads."""
+    rehearsal loads. ``inherited_env``: the environment the engine's workers inherit (this process's, on the host
+    that runs them); its ``NCCL_*`` settings apply under the config's own, as they do for vLLM."""
+    from dataclasses import replace
+
     from kimi_k3_serve.config.args_adapter import planner_inputs
     from kimi_k3_serve.planning.layout import Layout
     from kimi_k3_serve.planning.memory import estimate_memory
 
     model, engine, pins = planner_inputs(with_dummy_weights(args))
+    nccl = {k: v for k, v in (inherited_env or {}).items() if k.startswith("NCCL_")}
+    if nccl:
+        engine = replace(engine, env_vars={**nccl, **(engine.env_vars or {})})
     layout = Layout(tp=pins.tp, pp=pins.pp, ep=bool(pins.ep), dp=pins.dp, layer_partition=pins.layer_partition)
     return estimate_memory(model, layout, engine, device)
 
@@ -497,7 +503,7 @@ def _run(ns: argparse.Namespace, work: Path) -> int:
         device, labels = local_devices(args.parallel.world_size, ns.dry_run)
     refusal: ConfigError | None = None
     try:
-        report = predict(args, device)
+        report = predict(args, device, inherited_env=os.environ)
     except ConfigError as exc:
         if not ns.start_anyway:
             raise
@@ -513,6 +519,7 @@ def _run(ns: argparse.Namespace, work: Path) -> int:
         plan = {"verdict": "refused", "fits": False, "refusal": str(refusal)}
     kwargs, env = engine_of(args, target_dir, ns.executor, tokens)
     result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels, "plan": plan}
+    # The real rank runs on the deploy's cluster, with the config's environment, not this host's.
     real_report = predict(real_args, device) if real_args is not None else None
     if ns.dry_run:
         if report is not None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kimi_k3_serve.config.secrets import NotShown, is_secret_name, refuse_secrets
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
+from kimi_k3_serve.planning.nvls import check_nvls_env
 from kimi_k3_serve.planning.layout import (
     KV_CACHE_DTYPES, MAX_BATCHED_TOKENS, MAX_DP, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_PP, MAX_SPECULATIVE_TOKENS, MAX_TP, SPECULATIVE_METHODS,
 )
@@ -259,6 +260,7 @@ class RuntimeEnvArgs(Section):
         for name in value:
             if is_secret_name(name):
                 raise ConfigError(f"args.runtime_env.env_vars.{name}", NotShown(), LITERAL_KEY_REFUSED)
+        check_nvls_env(value)  # the plan counts NCCL's NVLS buffers from these
         return value
 
 

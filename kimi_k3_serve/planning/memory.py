@@ -36,6 +36,7 @@ from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisat
 from kimi_k3_serve.units import GiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
 from kimi_k3_serve.planning.bands import kv_band_bytes
+from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
 NON_TORCH_TP1 = int(456.28 * MiB)
@@ -400,6 +401,10 @@ def estimate_memory(
     # Per stage (exact) weights and (estimated) non-KV.
     stage_costs: list[StageCosts] = []
     estimates: list[Estimate] = []
+    tp_nodes = {d.node_id for d in devs[:layout.tp] if d.node_id}
+    nvls = nvls_buffer_bytes(layout.tp, cc, engine.env_vars, spans_nodes=len(tp_nodes) > 1)
+    if said := nvls_basis(layout.tp, cc, engine.env_vars, spans_nodes=len(tp_nodes) > 1):
+        notes.append(said)
     for s, (start, end) in enumerate(stages):
         weights, by_cat = _stage_weights(model, layout, engine, s, start, end, ep_size, sp)
         eplb_weights, eplb_state = eplb_costs(model, layout, engine.num_redundant_experts, start, end,
@@ -411,7 +416,7 @@ def estimate_memory(
         act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft,
                                                  (spec.draft_tp or layout.tp) if spec else layout.tp,
                                                  engine.max_model_len, block_size, num_spec)
-        non_torch = NON_TORCH_TP1 if layout.tp <= 2 else NON_TORCH_TP_MULTI
+        non_torch = (NON_TORCH_TP1 if layout.tp <= 2 else NON_TORCH_TP_MULTI) + nvls
         nt_margin = GiB if layout.tp > 1 else GiB // 4
         cg, cg_margin, cg_basis = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
         ws = 0
@@ -452,7 +457,8 @@ def estimate_memory(
                                       "load window per MoE layer; +-10%"))
         estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
-                                  "post-snapshot non-torch: 0.45 GiB TP1 and TP2 (fitted, H200 2026-11-30), 2.1 GiB TP>2 (llm-d, H100)"))
+                                  "post-snapshot non-torch: 0.45 GiB TP1 and TP2 (fitted, H200 2026-11-30), 2.1 GiB TP>2 "
+                                  "(llm-d, H100)" + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 

@@ -113,11 +113,6 @@ class RankOnlyTerm:
         return {"name": self.name, "delta_bytes": self.delta_bytes, "exact": self.exact, "source": self.source}
 
 
-NVLS_NOTE = ("NCCL's NVLS buffers: allocated lazily by the first all-reduce too large for the custom and symmetric-memory "
-             "all-reduce (the profile's), inside the budget; about 2 GiB in published 8 x H200 logs; none on a host with "
-             "NCCL_NVLS_ENABLE=0 (the lent H200 hosts). Not counted by the plan; needs 8 GPUs to measure")
-
-
 def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced: int) -> tuple[RankOnlyTerm, ...]:
     """What the real rank holds beside what its slice holds, term by term (``real``, ``sliced``: the plan's
     ``RankMemory`` of the real layout's rank and of the slice at TP1). Weights are exact (the inventory's sharding);
@@ -137,7 +132,9 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
     for name, attr, source in (
             ("activation", "activation_bytes", "the plan's profile peak (the sampler runs on the last stage only)"),
             ("non_torch", "non_torch_bytes", "the plan's post-snapshot non-torch memory: TP>2 custom all-reduce buffers "
-                                             "(2.1 GiB, llm-d on H100; not measured on an H200 at TP8)"),
+                                             "(2.1 GiB, llm-d on H100; not measured on an H200 at TP8) and NCCL's NVLS "
+                                             "buffers where the config leaves NVLS on (planning/nvls.py, computed from "
+                                             "NCCL's code; the lent hosts run with NCCL_NVLS_ENABLE=0)"),
             ("cuda_graphs", "cuda_graph_bytes", "the plan's CUDA-graph estimate at the real TP (all-reduce nodes inside "
                                                 "the graphs are not seen by a TP1 slice)"),
             ("workspaces", "workspace_bytes", "profiled workspaces, with the pipeline receive buffer of a stage after "
@@ -149,7 +146,6 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
         terms.append(RankOnlyTerm("outside_budget", outside_real - outside_sliced, False,
                                   "NCCL communicators before vLLM's memory snapshot (about 1 GiB): they take headroom, "
                                   "not KV pool"))
-    terms.append(RankOnlyTerm("nvls_buffers", None, False, NVLS_NOTE))
     return tuple(terms)
 
 
