@@ -169,6 +169,8 @@ def predict_run(run_dir: Path):
         args = rehearse.serve_args_of(ns)
         if ns.rank_of is not None:  # the rank slice vLLM ran, at TP1: its plan is what vLLM's numbers score
             args = rehearse.materialize_rank_slice(args, Path(work), ns.rank_of)[0]
+        elif ns.stage_of is not None:  # the stage as a model of its own, at the layout's TP
+            args = rehearse.materialize_stage(args, Path(work), ns.stage_of)[0]
         else:
             args = rehearse.materialize_models(args, Path(work), ns.layers)[0]
         report = rehearse.predict(args, RankDevice(total, (9, 0), free_bytes=free, name="NVIDIA H200"),

@@ -12,7 +12,8 @@ from conftest import REPO_ROOT
 from kimi_k3_serve.cli import main
 from kimi_k3_serve.config.args_adapter import planner_inputs
 from kimi_k3_serve.config.serve_config import load_serve_app
-from kimi_k3_serve.commands.rehearse import materialize_rank_slice, predict, rank_section, with_dummy_weights
+from kimi_k3_serve.commands.rehearse import (materialize_rank_slice, materialize_stage, predict, rank_section,
+                                             with_dummy_weights)
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.models import inventory_from_config, read_config
 from kimi_k3_serve.planning.hardware import lookup_gpu
@@ -149,3 +150,23 @@ def test_the_ranks_matrix_names_each_runs_role_before_it_runs(capsys):
         assert out["engine_kwargs"]["tensor_parallel_size"] == 1 and len(out["gpus"]) == 1
         if "--rank-of" in job.args:
             assert out["rank_of"]["real_verdict"] in ("fits", "at_risk"), job.name
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_stage_model_at_tp8_holds_the_real_stages_layers_and_differs_by_the_vocabulary_tables(stage, tmp_path):
+    """``rehearse --stage-of``: the stage's layers at full width, in their order, run at the layout's TP8 and PP 1;
+    each rank then holds what the real stage's rank holds, but the vocabulary table the real stage lacks."""
+    real = _real_args()
+    args, target_dir, draft_dir, rank = materialize_stage(real, tmp_path, stage)
+    assert (args.parallel.tensor_parallel_size, args.parallel.pipeline_parallel_size) == (8, 1)
+    assert (draft_dir is not None) == rank.is_last
+    full = planner_inputs(with_dummy_weights(real))[0]
+    local = inventory_from_config(json.loads((target_dir / "config.json").read_text()), name="stage model")
+    assert [(l.attention, l.mlp) for l in local.layers] == [(l.attention, l.mlp) for l in full.layers[rank.start:rank.end]]
+    assert local.layer_bytes(8, 8, False) == full.layer_bytes(8, 8, False)[rank.start:rank.end]
+    real_rank = next(r for r in predict(real, DEVICE).ranks if r.pp_stage == stage)
+    stage_rank = predict(args, DEVICE).ranks[0]
+    cats = set(real_rank.weights_by_category) | set(stage_rank.weights_by_category)
+    differ = {c for c in cats if real_rank.weights_by_category.get(c, 0) != stage_rank.weights_by_category.get(c, 0)}
+    assert differ == ({"lm_head", "norms"} if stage == 0 else {"embedding"})
+    assert real_rank.non_torch_bytes == stage_rank.non_torch_bytes  # both TP8: NVLS and all-reduce buffers alike

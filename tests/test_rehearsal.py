@@ -602,6 +602,25 @@ def test_the_eight_gpu_matrix_fits_eight_h200s_in_the_layout_it_names(job, capsy
     assert len(ranks) == 8 and {r["pp_stage"] for r in ranks} == set(range(kwargs["pipeline_parallel_size"]))
 
 
+@pytest.mark.parametrize("job", accuracy.matrix.SETS["stages-tp8"], ids=lambda j: j.name)
+def test_each_stage_job_is_its_stage_at_tp8_with_nvls_as_it_names(job, capsys) -> None:
+    """Each job of the stage set, dry-run as the 8-GPU host will start it: the stage of deploy/config.yaml at TP8 and
+    PP 1 on all eight GPUs, the draft on stage 1 only, the plan fitting, NCCL's NVLS set in the engine's env as the job
+    names it, and the plan counting NVLS buffers (256 MiB per GPU) exactly when it is on."""
+    from kimi_k3_serve.planning.memory import NON_TORCH_TP_MULTI
+
+    assert main(["rehearse", *job.args, "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kwargs, section = out["engine_kwargs"], out["stage_of"]
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"], len(out["gpus"])) == (8, 1, 8)
+    assert section["layers"] == ([0, 49] if section["stage"] == 0 else [49, 93]) and section["tp"] == 8
+    assert ("speculative_config" in kwargs) == (section["stage"] == 1)
+    assert out["plan"]["verdict"] == "fits", out["plan"]
+    on = job.name.endswith("nvls-on")
+    assert out["env"]["NCCL_NVLS_ENABLE"] == ("2" if on else "0")
+    assert {r["non_torch_bytes"] for r in out["plan"]["ranks"]} == {NON_TORCH_TP_MULTI + (256 * 2**20 if on else 0)}
+
+
 def test_engine_processes_that_outlive_the_run_are_stopped(tmp_path) -> None:
     """A DP rank leaves with os._exit and its engine core is orphaned with the GPU: the rehearsal remembers every
     process the run started and stops those still alive when it ends."""

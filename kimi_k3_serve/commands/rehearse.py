@@ -8,6 +8,7 @@ Examples:
   kimi-k3-serve rehearse --model kimi-k3 --layers 4 --dp 2 --enable-expert-parallel   # DP2 x EP2 on 2 GPUs
   kimi-k3-serve rehearse --config deploy/config.yaml --dry-run          # what would start, no GPU needed
   kimi-k3-serve rehearse --config deploy/config.yaml --rank-of 1        # one TP8 rank of stage 1, full depth, 1 GPU
+  kimi-k3-serve rehearse --config deploy/config.yaml --stage-of 0       # stage 0 at TP8 on one node of 8 GPUs
 
 The engine kwargs and env are the ones the application builder deploys (``args_adapter.vllm_engine_args_of``,
 the plan's one translation to vLLM), plus ``load_format: dummy``; limits a config leaves unset are resolved as the Serve replica's vLLM resolves them.
@@ -15,7 +16,9 @@ On one host the engine uses vLLM's multiprocessing executor (``--executor ray`` 
 ``RAY_ADDRESS``). ``--layers N`` rehearses the first N layers of a Kimi-K3 (every layer kind kept) and its draft.
 ``--rank-of STAGE`` rehearses one TP rank of that pipeline stage of the config's layout on one GPU: the stage's
 layers in their own order, at one rank's shapes (``rehearsal/rank_slice.py``), the draft on the last stage; the
-output sets the plan of the real rank beside it, with every term the slice cannot show.
+output sets the plan of the real rank beside it, with every term the slice cannot show. ``--stage-of STAGE``
+rehearses the whole stage at the layout's TP on one node (a model of the stage's layers at full width, the draft on
+the last stage): what TP itself allocates (NCCL, NVLS, all-reduce buffers) is then measured, not estimated.
 Exit code: 0 vLLM started and generated; 1 it did not (the table says where and why); 2 bad input.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int_from(1, MAX_LAYERS), default=None, help="rehearse a Kimi-K3 slice of this many layers")
     parser.add_argument("--rank-of", type=int_from(0, MAX_PP - 1), default=None, metavar="STAGE",
                         help="rehearse one TP rank of this pipeline stage (0-based) of the config's layout on one GPU")
+    parser.add_argument("--stage-of", type=int_from(0, MAX_PP - 1), default=None, metavar="STAGE",
+                        help="rehearse this pipeline stage (0-based) of the config's layout at its TP on one node's "
+                             "GPUs, as a model of its own at full width")
+    parser.add_argument("--env", action="append", default=None, metavar="NAME=VALUE",
+                        help="an engine environment variable over the config's (args.runtime_env.env_vars); repeatable, "
+                             "e.g. --env NCCL_NVLS_ENABLE=0")
     parser.add_argument("--executor", choices=("mp", "ray"), default="mp", help="vLLM's executor (default mp: one host)")
     parser.add_argument("--work-dir", default=None, help="where model configs, the spec and the log go (default: a temp dir)")
     parser.add_argument("--timeout", type=positive_int, default=1800.0, help="seconds before the engine is stopped (default 1800)")
@@ -130,6 +140,11 @@ def serve_args_of(ns: argparse.Namespace) -> ServeArgs:
         if not isinstance(extra, dict):
             raise ConfigError("--engine-kwargs", ns.engine_kwargs, "expected a JSON object")
         raw["engine_kwargs"] = {**raw.get("engine_kwargs", {}), **extra}
+    for item in getattr(ns, "env", None) or ():
+        name, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError("--env", item, "NAME=VALUE, NAME a variable name (letters, digits and _, not first a digit)")
+        raw.setdefault("runtime_env", {}).setdefault("env_vars", {})[name] = value
     return load_args(raw, source=ns.config or "rehearse flags")
 
 
@@ -183,51 +198,77 @@ def materialize_models(args: ServeArgs, work: Path, layers: int | None):
     return args.model_copy(update=update), target_dir, draft_dir
 
 
-def materialize_rank_slice(real: ServeArgs, work: Path, stage: int):
-    """Write the rank slice of ``stage`` of ``real``'s layout (target, and the draft on the last stage) and return
-    (the TP1 args that rehearse it, target folder, draft folder or None, the ``RankOf``)."""
+def _stage_of_layout(real: ServeArgs, stage: int, flag: str):
+    """The ``RankOf`` of ``stage`` of ``real``'s TP x PP layout (the layout's TP), or ConfigError naming ``flag``."""
     from kimi_k3_serve.config.args_adapter import planner_inputs
     from kimi_k3_serve.planning.layout import Layout
     from kimi_k3_serve.planning.memory import stage_layer_ranges
-    from kimi_k3_serve.rehearsal.rank_slice import RankOf, rank_draft_config, rank_text_config
+    from kimi_k3_serve.rehearsal.rank_slice import RankOf
 
     model, _, pins = planner_inputs(with_dummy_weights(real))
     if model.family != "kimi_k3":
-        raise ConfigError("--rank-of", stage, f"a Kimi-K3 deployment (the model is {model.architecture})")
+        raise ConfigError(flag, stage, f"a Kimi-K3 deployment (the model is {model.architecture})")
     if pins.ep or pins.dp > 1:
-        raise ConfigError("--rank-of", stage, "a TP x PP layout: a rank of expert or data parallelism sees other "
+        raise ConfigError(flag, stage, "a TP x PP layout: a rank of expert or data parallelism sees other "
                           "ranks' tokens, which one GPU cannot")
     stages = stage_layer_ranges(model.num_layers, Layout(tp=pins.tp, pp=pins.pp, layer_partition=pins.layer_partition))
     if stage >= len(stages):
-        raise ConfigError("--rank-of", stage, f"a stage of the layout: 0 to {len(stages) - 1}")
+        raise ConfigError(flag, stage, f"a stage of the layout: 0 to {len(stages) - 1}")
     start, end = stages[stage]
-    rank = RankOf(stage, len(stages), start, end, pins.tp)
-    target = rank_text_config(_model_config(real.model.source, "args.model.source")[0], rank)
+    return RankOf(stage, len(stages), start, end, pins.tp)
+
+
+def _stage_model(real: ServeArgs, work: Path, rank, shapes, tp: int):
+    """Write the stage ``rank`` names at the shapes ``shapes`` gives (one rank's, or the whole width) and return
+    (the args that rehearse it at TP ``tp``, PP 1, target folder, draft folder or None)."""
+    from kimi_k3_serve.rehearsal.rank_slice import rank_draft_config, rank_text_config
+
+    target = rank_text_config(_model_config(real.model.source, "args.model.source")[0], shapes)
     target_dir = write_model_config(work / "target", target)
-    parallel = real.parallel.model_copy(update={"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+    parallel = real.parallel.model_copy(update={"tensor_parallel_size": tp, "pipeline_parallel_size": 1,
                                                 "data_parallel_size": 1, "enable_expert_parallel": False,
                                                 "layer_partition": None})
     update: dict[str, Any] = {"model": real.model.model_copy(update={"source": str(target_dir)}), "parallel": parallel,
                               "speculative": None}
     draft_dir = None
     if real.speculative is not None and rank.is_last:
-        draft = rank_draft_config(_model_config(real.speculative.model, "args.speculative.model")[0], rank)
+        draft = rank_draft_config(_model_config(real.speculative.model, "args.speculative.model")[0], shapes)
         draft_dir = write_model_config(work / "draft", draft)
         update["speculative"] = real.speculative.model_copy(update={"model": str(draft_dir)})
-    return real.model_copy(update=update), target_dir, draft_dir, rank
+    return real.model_copy(update=update), target_dir, draft_dir
 
 
-def rank_section(real_report, slice_report, rank, measured_kv: int | None) -> dict[str, Any]:
-    """The real rank's plan beside its slice's: the terms the slice cannot show and the real rank's KV pool as the
-    plan gives it and as vLLM's measurement of the slice implies it."""
+def materialize_rank_slice(real: ServeArgs, work: Path, stage: int):
+    """Write the rank slice of ``stage`` of ``real``'s layout (target, and the draft on the last stage) and return
+    (the TP1 args that rehearse it, target folder, draft folder or None, the ``RankOf``)."""
+    rank = _stage_of_layout(real, stage, "--rank-of")
+    return (*_stage_model(real, work, rank, rank, tp=1), rank)
+
+
+def materialize_stage(real: ServeArgs, work: Path, stage: int):
+    """Write ``stage`` of ``real``'s layout as a model of its own, at full width: its layers in their order, the draft
+    on the last stage, and, unlike the stage in the real engine, both vocabulary tables. Returns (the args that
+    rehearse it at the layout's TP and PP 1, on one node's GPUs, target folder, draft folder or None, the
+    ``RankOf``)."""
+    from dataclasses import replace
+
+    rank = _stage_of_layout(real, stage, "--stage-of")
+    return (*_stage_model(real, work, rank, replace(rank, tp=1), tp=rank.tp), rank)
+
+
+def rank_section(real_report, slice_report, rank, measured_kv: int | None, whole_stage: bool = False) -> dict[str, Any]:
+    """The real rank's plan beside its rehearsed model's (the rank slice, or with ``whole_stage`` the stage at its TP):
+    the terms the rehearsal cannot show and the real rank's KV pool as the plan gives it and as vLLM's measurement of
+    the rehearsal implies it."""
     from kimi_k3_serve.rehearsal.rank_slice import rank_only_terms, real_rank_kv_bytes
 
     real = next(r for r in real_report.ranks if r.pp_stage == rank.stage)
     sliced = slice_report.ranks[0]
     terms = rank_only_terms(real, sliced, outside_real=real.total_bytes - real.budget_bytes - real.headroom_bytes,
-                            outside_sliced=sliced.total_bytes - sliced.budget_bytes - sliced.headroom_bytes)
+                            outside_sliced=sliced.total_bytes - sliced.budget_bytes - sliced.headroom_bytes,
+                            whole_stage=whole_stage)
     return {"stage": rank.stage, "num_stages": rank.num_stages, "layers": [rank.start, rank.end], "tp": rank.tp,
-            "describe": rank.describe(), "real_verdict": real_report.verdict,
+            "describe": rank.describe_stage() if whole_stage else rank.describe(), "real_verdict": real_report.verdict,
             "real_max_concurrency": real_report.max_concurrency, "real_rank": real.to_json(),
             "terms": [t.to_json() for t in terms], "real_kv_plan_bytes": real.kv_cache_bytes,
             "real_kv_from_vllm_bytes": None if measured_kv is None else real_rank_kv_bytes(measured_kv, terms)}
@@ -238,14 +279,14 @@ def render_rank_section(section: dict[str, Any]) -> str:
 
     lines = [f"the real rank: {section['describe']}; the plan of the whole layout says {section['real_verdict']} "
              f"({section['real_max_concurrency']:.2f} requests of max_model_len at once)",
-             "  what the slice cannot show (real rank minus slice, GiB):"]
+             "  what the rehearsal cannot show (real rank minus the rehearsed model's, GiB):"]
     for t in section["terms"]:
         size = "not counted" if t["delta_bytes"] is None else f"{t['delta_bytes'] / GiB:+.2f}"
         lines.append(f"    {t['name']:<20} {size:>12}  {'exact' if t['exact'] else 'estimate'}: {t['source']}")
     implied = section["real_kv_from_vllm_bytes"]
     lines.append(f"  real rank's KV pool: plan {section['real_kv_plan_bytes'] / GiB:.2f} GiB"
-                 + ("" if implied is None else f"; implied by vLLM's slice {implied / GiB:.2f} GiB (its pool less the "
-                                               "terms inside the budget)"))
+                 + ("" if implied is None else f"; implied by vLLM's rehearsal {implied / GiB:.2f} GiB (its pool less "
+                                               "the terms inside the budget)"))
     return "\n".join(lines)
 
 
@@ -489,12 +530,19 @@ def _run(ns: argparse.Namespace, work: Path) -> int:
     if ns.config is None and ns.model is None:
         ns.model = "moonshotai/Kimi-K3"
     args = serve_args_of(ns)
-    if ns.rank_of is not None and ns.layers is not None:
-        raise ConfigError("--layers", ns.layers, "no --layers with --rank-of: the rank slice has its stage's depth")
+    if ns.rank_of is not None and ns.stage_of is not None:
+        raise ConfigError("--stage-of", ns.stage_of, "no --stage-of with --rank-of: one rehearses a rank, the other "
+                          "a whole stage")
+    for flag, given in (("--rank-of", ns.rank_of), ("--stage-of", ns.stage_of)):
+        if given is not None and ns.layers is not None:
+            raise ConfigError("--layers", ns.layers, f"no --layers with {flag}: it rehearses its stage's depth")
     real_args = rank = None
     if ns.rank_of is not None:
         real_args = args
         args, target_dir, draft_dir, rank = materialize_rank_slice(real_args, work, ns.rank_of)
+    elif ns.stage_of is not None:
+        real_args = args
+        args, target_dir, draft_dir, rank = materialize_stage(real_args, work, ns.stage_of)
     else:
         args, target_dir, draft_dir = materialize_models(args, work, ns.layers)
     if ns.executor == "ray":
@@ -521,13 +569,15 @@ def _run(ns: argparse.Namespace, work: Path) -> int:
     result: dict[str, Any] = {"engine_kwargs": kwargs, "env": env, "work_dir": str(work), "gpus": labels, "plan": plan}
     # The real rank runs on the deploy's cluster, with the config's environment, not this host's.
     real_report = predict(real_args, device) if real_args is not None else None
+    whole_stage = ns.stage_of is not None
+    section_key = "stage_of" if whole_stage else "rank_of"
     if ns.dry_run:
         if report is not None:
             plan["ranks"] = [r.to_json() for r in report.ranks]
         said = (f"plan: {report.verdict} on {len(labels)} GPU(s)" if report is not None else f"the plan refuses: {refusal}")
         if real_report is not None and report is not None:
-            result["rank_of"] = rank_section(real_report, report, rank, None)
-            said += "\n" + render_rank_section(result["rank_of"])
+            result[section_key] = rank_section(real_report, report, rank, None, whole_stage)
+            said += "\n" + render_rank_section(result[section_key])
         print(json.dumps(result, indent=1) if ns.json else
               f"would start vLLM with {json.dumps(kwargs)}\nenv {json.dumps(env)}\n{said}")
         return EXIT_STARTED
@@ -550,8 +600,9 @@ def _run(ns: argparse.Namespace, work: Path) -> int:
                   failure=failure, reading=reading.to_json(), comparison=comparison_json,
                   nvml_peak_used_bytes={str(k): v for k, v in sorted(peak.peak.items())}, log=str(work / "vllm.log"))
     if real_report is not None and report is not None:
-        worker = reading.workers[0] if len(reading.workers) == 1 else None
-        result["rank_of"] = rank_section(real_report, report, rank, worker.available_kv_bytes if worker else None)
+        worker = reading.workers[0] if len(reading.workers) == 1 else reading.worker_of_rank(0)
+        result[section_key] = rank_section(real_report, report, rank, worker.available_kv_bytes if worker else None,
+                                           whole_stage)
     (work / "result.json").write_text(json.dumps(result, indent=1))
     if ns.json:
         print(json.dumps(result, indent=1))
@@ -565,8 +616,8 @@ def _run(ns: argparse.Namespace, work: Path) -> int:
                   f"{reading.init_seconds or 0:.0f} s ({seconds:.0f} s in all)")
         if failure:
             print(f"vLLM failed: {failure['type']}: {failure['message'][-300:]}")
-        if "rank_of" in result:
-            print(render_rank_section(result["rank_of"]))
+        if section_key in result:
+            print(render_rank_section(result[section_key]))
     if not ns.json:
         print(f"vLLM log: {work / 'vllm.log'}")
     if report is None:  # --start-anyway: 0 when vLLM refuses too (the plan was right), 1 when its refusal is to be looked at

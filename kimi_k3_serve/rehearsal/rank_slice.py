@@ -49,6 +49,10 @@ class RankOf:
         return (f"stage {self.stage} of {self.num_stages} (layers {self.start}-{self.end - 1}, {self.end - self.start} "
                 f"layers) at TP{self.tp}: one rank's shapes on one GPU")
 
+    def describe_stage(self) -> str:
+        return (f"stage {self.stage} of {self.num_stages} (layers {self.start}-{self.end - 1}, {self.end - self.start} "
+                f"layers) at TP{self.tp}: the whole stage, as a model of its own, on {self.tp} GPUs")
+
 
 def _share(config: Mapping[str, Any], key: str, tp: int, field: str) -> int:
     value = int(config[key])
@@ -113,18 +117,22 @@ class RankOnlyTerm:
         return {"name": self.name, "delta_bytes": self.delta_bytes, "exact": self.exact, "source": self.source}
 
 
-def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced: int) -> tuple[RankOnlyTerm, ...]:
-    """What the real rank holds beside what its slice holds, term by term (``real``, ``sliced``: the plan's
-    ``RankMemory`` of the real layout's rank and of the slice at TP1). Weights are exact (the inventory's sharding);
-    the rest are the plan's own estimates of both, with the source of the difference."""
+def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced: int,
+                    whole_stage: bool = False) -> tuple[RankOnlyTerm, ...]:
+    """What the real rank holds beside what its rehearsed model's rank holds, term by term (``real``, ``sliced``:
+    the plan's ``RankMemory`` of the real layout's rank and of the rank slice at TP1, or with ``whole_stage`` of the
+    stage as a model of its own at the layout's TP). Weights are exact (the inventory's sharding); the rest are the
+    plan's own estimates of both, with the source of the difference."""
     terms: list[RankOnlyTerm] = []
+    held = "its own 1/TP share of it" if whole_stage else "all of it"
+    model = "the stage model" if whole_stage else "the slice"
     cats = sorted(set(real.weights_by_category) | set(sliced.weights_by_category))
     for cat in cats:
         delta = real.weights_by_category.get(cat, 0) - sliced.weights_by_category.get(cat, 0)
         if delta:
-            why = {"embedding": "a rank holds 1/TP of the embedding, on stage 0 only; the slice holds all of it",
-                   "lm_head": "a rank holds 1/TP of the lm_head, on the last stage only; the slice holds all of it",
-                   "norms": "the final norms are on the last stage only; the slice holds them"}
+            why = {"embedding": f"a rank holds 1/TP of the embedding, on stage 0 only; {model} holds {held}",
+                   "lm_head": f"a rank holds 1/TP of the lm_head, on the last stage only; {model} holds {held}",
+                   "norms": f"the final norms are on the last stage only; {model} holds them"}
             terms.append(RankOnlyTerm(f"weights:{cat}", delta, True, why.get(cat, "the inventory's sharding rules")))
     if real.draft_bytes != sliced.draft_bytes:
         terms.append(RankOnlyTerm("draft", real.draft_bytes - sliced.draft_bytes, True,

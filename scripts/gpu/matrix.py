@@ -85,6 +85,23 @@ def rank(name: str, stage: int, *, role: str, config: str = DEPLOY, pp: int | No
     return Job(name, 1, expected_s, tuple(args), ("rank",), role)
 
 
+NVLS_ON = ("--env", "NCCL_NVLS_ENABLE=2", "--env", "NCCL_DEBUG=INFO", "--env", "NCCL_DEBUG_SUBSYS=INIT,NVLS")
+"""NCCL's own default (NVLS where the GPUs support multicast), with NCCL logging what it finds and allocates
+("NVLS multicast support is (not) available", "NVLS comm ... nvlsTotalSize"): on a host without multicast the log
+says so, and what NCCL would have allocated is planning/nvls.py's formula."""
+NVLS_OFF = ("--env", "NCCL_NVLS_ENABLE=0")
+
+
+def stage(name: str, stage_index: int, *, role: str, nvls: bool, config: str = DEPLOY, gpus: int = 8,
+          expected_s: float = 480) -> Job:
+    """Pipeline stage ``stage_index`` of a deploy config as it runs, at the config's TP on one node
+    (``rehearse --stage-of``): the stage's layers at full width, the draft on the last stage, at the config's limits,
+    with NCCL's NVLS on (``NVLS_ON``) or off."""
+    assert role in ROLES
+    args = ["--config", config, "--stage-of", str(stage_index), *(NVLS_ON if nvls else NVLS_OFF)]
+    return Job(name, gpus, expected_s, tuple(args), ("stage",), role)
+
+
 def other(name: str, config: str, *, tokens: int = 2048, seqs: int = 256, util: float = 0.92, expected_s: float = 120) -> Job:
     # Named relative to the checkout, where the jobs run (and where the accuracy replay looks them up).
     args = ["--model", str((CONFIGS / config).relative_to(ROOT)), "--max-model-len", "8192",
@@ -193,6 +210,15 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp8-serve-defaults-dspark", 4, tp=8, expected_s=300),
         kimi("k4-tp4-pp2-serve-defaults-dspark", 4, tp=4, pp=2, expected_s=300),
         kimi("k8-tp8-b8192-s1024-u092-eagle3-mla", 8, tp=8, tokens=8192, seqs=1024, draft=EAGLE3_MLA, expected_s=300),
+    ],
+    # Each stage of deploy/config.yaml as it runs, on one node of 8 GPUs (issue 27; roles fixed 2026-12-02, before
+    # they run): what the rank slices cannot show (NCCL, NVLS, all-reduce buffers and graphs at TP8) is measured
+    # here. NVLS off is how the lent hosts run; on is NCCL's default and what the plan assumes for a real cluster.
+    "stages-tp8": [
+        stage("s0-tp8-nvls-off", 0, role="validation", nvls=False),
+        stage("s1-tp8-nvls-off", 1, role="validation", nvls=False),
+        stage("s0-tp8-nvls-on", 0, role="validation", nvls=True),
+        stage("s1-tp8-nvls-on", 1, role="validation", nvls=True),
     ],
 }
 

@@ -11,6 +11,7 @@
 #   tests-rehearse the GPU tests that rehearse a Kimi-K3 slice on one GPU and on two (pytest -m gpu -k rehearse)
 #   matrix-tp2     rehearsals on both GPUs (TP2, and PP2 on one node)
 #   matrix-tp8     rehearsals on eight GPUs (TP8, and TP4 x PP2 on one node); skipped on a host with fewer
+#   matrix-stages  each stage of deploy/config.yaml at TP8 on eight GPUs (rehearse --stage-of), NVLS off and on
 #   matrix-ranks   one TP rank of each stage of deploy/config.yaml at full depth, one GPU each (rehearse --rank-of),
 #                  (KIMI_K3_SERVE_RANK_SET=ranks-round2, ranks-round3 or ranks-round4 for the later rounds)
 #                  and the shapes where the verdict missed; each job's role (fit or validation) is in matrix.py
@@ -107,6 +108,7 @@ run_phase() {
     matrix-tp1) python3 scripts/gpu/matrix.py --set tp1 --deadline "$(left)" --work "$runs/tp1" --out "$out" "${matrix_args[@]}" ;;
     matrix-tp2) python3 scripts/gpu/matrix.py --set tp2 --deadline "$(left)" --work "$runs/tp2" --out "$out" "${matrix_args[@]}" ;;
     matrix-tp8) python3 scripts/gpu/matrix.py --set tp8 --deadline "$(left)" --work "$runs/tp8" --out "$out" "${matrix_args[@]}" ;;
+    matrix-stages) python3 scripts/gpu/matrix.py --set stages-tp8 --deadline "$(left)" --work "$runs/stages" --out "$out" "${matrix_args[@]}" ;;
     matrix-ranks) python3 scripts/gpu/matrix.py --set "${KIMI_K3_SERVE_RANK_SET:-ranks}" --deadline "$(left)" --work "$runs/ranks" --out "$out" "${matrix_args[@]}" ;;
     tests-rehearse|tests-serve)
       local k="rehearse"; [ "$1" = tests-serve ] && k="serve or nccl"
