@@ -143,8 +143,12 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
                                              "(2.1 GiB, llm-d on H100; not measured on an H200 at TP8) and NCCL's NVLS "
                                              "buffers where the config leaves NVLS on (planning/nvls.py, computed from "
                                              "NCCL's code; the lent hosts run with NCCL_NVLS_ENABLE=0)"),
-            ("cuda_graphs", "cuda_graph_bytes", "the plan's CUDA-graph estimate at the real TP (all-reduce nodes inside "
-                                                "the graphs are not seen by a TP1 slice)"),
+            ("cuda_graphs", "cuda_graph_bytes",
+             "the plan's CUDA-graph estimate of the real stage against the stage model's: every stage of the engine "
+             "captures the sizes the draft's tokens per sequence set (max_num_seqs x (k+1) x 2), the stage model without "
+             "the draft fewer" if whole_stage else
+             "the plan's CUDA-graph estimate at the real TP (all-reduce nodes inside the graphs are not seen by a TP1 "
+             "slice)"),
             ("workspaces", "workspace_bytes", "profiled workspaces, with the pipeline receive buffer of a stage after "
                                               "the first (exact, from vLLM's make_empty_intermediate_tensors)")):
         delta = getattr(real, attr) - getattr(sliced, attr)
