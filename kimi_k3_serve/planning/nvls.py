@@ -8,8 +8,9 @@ multicast object (``nvlsAllocateMem``: ``cuMemCreate`` of that size, rounded to 
 - ``NCCL_STEPS`` 8 (``src/include/device.h``); ``NCCL_NVLS_CHUNKSIZE`` 128 KiB unless the environment sets it;
 - ``nHeads``: the communicator's GPUs, all in one NVLink domain for a TP group (8 at TP8 on an HGX node).
 
-So 256 MiB per GPU at TP8 on an H200 node. (Logs of NCCL 2.20, with 4 MiB steps, showed 2.25 GiB; NCCL 2.21 to 2.22
-added 2 MiB of credits per channel and head.) NCCL sets the buffers up lazily (``NCCL_RUNTIME_CONNECT``, on by
+So 256 MiB per GPU at TP8 on an H200 node. Older NCCLs took more: 2.20 gave each channel and head 4 MiB of buffer and
+2 MiB of credits (2.25 GiB per GPU in a published 8 x H200 log, with 24 channels), 2.21 and 2.22 1 MiB and 2 MiB
+(768 MiB at 16 channels); since 2.23 the credits are apart and tiny. NCCL sets the buffers up lazily (``NCCL_RUNTIME_CONNECT``, on by
 default), at the first collective it runs with the NVLS algorithm. In vLLM that is the profile's all-reduce of
 ``max_num_batched_tokens x hidden``, too large for the custom and symmetric-memory all-reduce, on PyNccl's TP
 communicator (``cuda_communicator.py`` ``all_reduce``): one communicator, inside the memory budget. NVLS needs
