@@ -551,7 +551,8 @@ def _run(ns: argparse.Namespace, work: Path) -> int:
         device, labels = local_devices(args.parallel.world_size, ns.dry_run)
     refusal: ConfigError | None = None
     try:
-        report = predict(args, device, inherited_env=os.environ)
+        # mp: the workers are this process's children and inherit its NCCL settings; ray: the raylets' (unknown here).
+        report = predict(args, device, inherited_env=os.environ if ns.executor == "mp" else None)
     except ConfigError as exc:
         if not ns.start_anyway:
             raise
