@@ -402,8 +402,9 @@ def estimate_memory(
     stage_costs: list[StageCosts] = []
     estimates: list[Estimate] = []
     tp_nodes = {d.node_id for d in devs[:layout.tp] if d.node_id}
-    nvls = nvls_buffer_bytes(layout.tp, cc, engine.env_vars, spans_nodes=len(tp_nodes) > 1)
-    if said := nvls_basis(layout.tp, cc, engine.env_vars, spans_nodes=len(tp_nodes) > 1):
+    spans_nodes = len(tp_nodes) > 1
+    nvls = nvls_buffer_bytes(layout.tp, cc, engine.env_vars, spans_nodes=spans_nodes)
+    if said := nvls_basis(nvls, layout.tp, cc, spans_nodes=spans_nodes):
         notes.append(said)
     for s, (start, end) in enumerate(stages):
         weights, by_cat = _stage_weights(model, layout, engine, s, start, end, ep_size, sp)

@@ -66,10 +66,8 @@ def nvls_buffer_bytes(tp: int, compute_capability: tuple[int, int], env: Mapping
     return round_up(per_gpu, ALLOCATION_GRANULARITY)
 
 
-def nvls_basis(tp: int, compute_capability: tuple[int, int], env: Mapping[str, str] | None,
-               spans_nodes: bool = False) -> str:
-    """One line for the report: what the plan assumes about NVLS, and why."""
-    nbytes = nvls_buffer_bytes(tp, compute_capability, env, spans_nodes)
+def nvls_basis(nbytes: int, tp: int, compute_capability: tuple[int, int], spans_nodes: bool = False) -> str:
+    """One line for the report: what the plan assumes about NVLS (``nbytes`` from ``nvls_buffer_bytes``), and why."""
     if nbytes:
         return (f"NCCL NVLS buffers: {nbytes / MiB:,.0f} MiB per GPU of each TP{tp} group, counted inside the budget "
                 f"({nvls_channels(compute_capability, spans_nodes)} channels x 2 x {NCCL_STEPS} steps x chunk x {tp} "
