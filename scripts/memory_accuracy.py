@@ -54,6 +54,8 @@ FIT_RUNS = {
                                  "run without a draft)",
     "r23-s3-pp4-dspark": "DSpark's per-layer CUDA-graph cost (23 layers)",
     "r31-s2-pp3-dspark": "DSpark's per-layer CUDA-graph cost (31 layers)",
+    "r49-s0-b16384-s16": "sampler copies, TP1 non-torch (stage 0's rank at 16,384 tokens)",
+    "r31-s1-pp3-b16384": "sampler copies, TP1 non-torch (a 31-layer rank at 16,384 tokens)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark",

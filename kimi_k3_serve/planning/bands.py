@@ -32,15 +32,17 @@ WEIGHTS = Band("weights", 0.004, 0,
                "RoPE table was counted (now -0.26 %); the TP8 rank slices run 0.25-0.29 % under, the full-width slices "
                "under 0.1 %")
 PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
-               "r49-s0-b16384-s64-u090 (2026-12-02, round 4): 6.66 GiB planned, 6.89 GiB profiled (-0.23 GiB, -3.3 %), "
-               "with DSpark's profile-run draft logits modelled and the profile group fitted on every fit run; the band "
-               "stays at round 3's max(0.45 GiB, 7 %), which also covers the group's worst leave-one-out error "
-               "(k8-tp1-b8192-s512-nodraft, -0.35 GiB)")
-CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.15 * GiB),
-                   "llama-3.1-8b-tp1-b16384-s1024 (2026-11-30): 0.78 / 0.92 GiB (-0.14 GiB) sets the floor; the worst "
-                   "Kimi-K3 validation error in the unsafe direction is k4-dp2-ep2-serve-defaults-dspark's 3.56 / 3.61 GiB "
-                   "(-1.4 %), with the per-layer DSpark term fitted on the fit runs alone (2026-12-01, round 3); one "
-                   "shape's spread between two engine starts is 0.08 GiB (r44-s1-dspark 1.27, r44-s1-dspark-u0995 1.19)")
+               "serve-one-gpu (2026-11-30): 4.47 GiB planned, 4.73 GiB profiled (-0.26 GiB, -5.6 %), the worst Kimi-K3 "
+               "validation error in the unsafe direction since the forward's peak is read from vLLM's code (2026-12-02, "
+               "round 5: the TP8 rank slices' profiles within 0.1 GiB, r49-s0-b12288-s128-u090 exact); the band stays "
+               "max(0.45 GiB, 7 %), which also covers the group's worst leave-one-out error "
+               "(k8-tp1-b8192-s512-nodraft, -0.38 GiB)")
+CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
+                   "k8-tp1-serve-defaults-dspark (2026-11-30): 3.65 / 3.82 GiB (-0.17 GiB), the worst validation error "
+                   "in the unsafe direction once round 2's fit runs were replayed at the 15 sequences they ran with "
+                   "(2026-12-02, round 5: the CUDA-graph constants refitted); then b200-r43-s1-dspark's 1.68 / 1.81 GiB "
+                   "(-0.13 GiB) and llama-3.1-8b-tp1-b16384-s1024's 0.78 / 0.92 GiB (-0.14 GiB); one shape's spread "
+                   "between two engine starts is 0.08 GiB (r44-s1-dspark 1.27, r44-s1-dspark-u0995 1.19)")
 BANDS = (WEIGHTS, PROFILE, CUDA_GRAPHS)
 
 

@@ -39,9 +39,9 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(456.28 * MiB)
+NON_TORCH_TP1 = int(352.27 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.45 GiB, fitted with
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.34 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
 scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-02; leave-one-out in docs/memory-accuracy.md; the
 llm-d v0.19 H100 sweep had 0.25 GiB).
@@ -54,40 +54,41 @@ TP > 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory
 PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k4-tp1-llm-defaults-b16384-s1024",
                     "k8-tp1-b8192-s512-nodraft", "k4-tp1-b8192-s1024-nodraft", "k6-tp1-b8192-s768-dspark-u080",
                     "rehearse-tp2", "r11-s7-pp8-dspark", "r23-s0-pp4", "r31-s1-pp3", "r23-s3-pp4-dspark",
-                    "r31-s2-pp3-dspark")
+                    "r31-s2-pp3-dspark", "r49-s0-b16384-s16", "r31-s1-pp3-b16384")
 """The fit runs the profile group (``NON_TORCH_TP1``, ``SAMPLER_FP32_VOCAB_COPIES``, ``DSPARK_PROFILE_LOGITS_COPIES``) is
 fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 to 8 layers at 256 to 1024 sequences,
-with DSpark and without, TP2, and TP8 rank slices of 11 to 31 layers; H200, 2026-11-30 to 2026-12-02;
+with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens; H200, 2026-11-30
+to 2026-12-02;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 2.40
+SAMPLER_FP32_VOCAB_COPIES = 2.54
 """vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
 probabilities / log-probabilities the sampler derives): a factor fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``
 (16 to 1024 sequences); the forward's output is still held, so the two add up."""
-DSPARK_PROFILE_LOGITS_COPIES = 0.61
+DSPARK_PROFILE_LOGITS_COPIES = 0.66
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
 positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_steps`` rows). A factor of those bf16
 ``rows x vocab`` tensors, fitted with ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS``."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.78 * MiB), "default": 14 * MiB}
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.76 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
 once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.08 * MiB), "default": 0}
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.35 * MiB), "default": 0}
 """What one local decoder layer adds to the estimate, once for the stage, not per graph (fitted with
 ``CUDA_GRAPH_PER_GRAPH``; charged per graph and refitted, it over-predicted r49-s0-b2048-s512 by 164 %)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(12.03 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(15.28 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: none per target graph; its drafter's own graphs
 are counted instead (``eagle3_draft_graphs``), each at the target's per-graph cost (not fitted on an EAGLE3 run)."""
-CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.43 * MiB)}
-CUDA_GRAPH_DRAFT_PER_LAYER = {"dspark": int(0.62 * MiB)}
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.39 * MiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER = {"dspark": int(0.50 * MiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it (fitted with
 ``CUDA_GRAPH_PER_GRAPH``). vLLM's estimate charges every FULL graph at the second-largest one's increment
 (``_extrapolate_full_graph_memory``); on the TP8 rank slices with DSpark the estimate grew with depth at the same
@@ -922,10 +923,10 @@ def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, star
     """``moe_tokens``: the tokens the experts see when the dispatch gathers other ranks' (default ``tokens``)."""
     w = model.widths
     tp = layout.tp
-    streams = 6
-    if model.family == "kimi_k3":
-        streams += min(9, cdiv(end, 12) - start // 12 + 1)  # AttnRes block snapshots kept through the stage
-    hidden = tokens * w.hidden_size * 2 * streams
+    if model.family == "kimi_k3" and model.attn_res_block_size:
+        hidden = tokens * kimi_forward_peak_bytes_per_token(model, start, end)
+    else:
+        hidden = tokens * w.hidden_size * 2 * 6
     widest = max(2 * w.intermediate_size // tp, 4 * w.num_attention_heads * w.head_dim // tp, 1)
     dense = tokens * widest * 2 * 2
     moe = 0
@@ -934,6 +935,29 @@ def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, star
         rows = (moe_tokens or tokens) * w.experts_per_token
         moe = rows * (max(2 * inter, w.moe_hidden_size) + max(inter, w.moe_hidden_size)) * 2
     return hidden + max(dense, moe)
+
+
+def kimi_forward_peak_bytes_per_token(model: ModelInventory, start: int, end: int) -> int:
+    """Bytes per token held at the peak of a Kimi-K3 stage's forward in vLLM 0.32's profile run, besides the MoE
+    workspace (counted apart): the add of the shared and routed experts' outputs (``MoERunner.forward``,
+    ``result = shared_output + fused_output``) in a MoE layer, read from vLLM's code (models/kimi_k3/nvidia/model.py,
+    fused_moe/runner/moe_runner.py, router/gate_linear.py):
+    - the residual side: ``block_residual`` [T, cdiv(end_layer, block), H], allocated once for every block from
+      global layer 0 (a later PP stage copies the received blocks in), ``prefix_sum``, the previous layer's output
+      (still bound in the caller's loop) and the MoE input; at a layer that opens a block (``layer % block == 0``)
+      ``_post_attn_norm`` makes the attention output the new prefix while the caller holds the old one;
+    - the MoE tail: the shared experts' output, the routed output's up-projection and their sum (3 x H), the routed
+      experts' latent input and output (2 x ``routed_expert_hidden_size``), and the router logits in fp32
+      (``GateLinear(out_dtype=torch.float32)``, every expert).
+    The TP8 rank slices' measured peaks (8,192 tokens at 23-49 layers, 16,384 and 2,048 at 49; H200, 2026-12-01/02)
+    match this to vLLM's 0.01 GiB. At TP > 1 vLLM fuses the up-projection into the shared output
+    (``LatentMoERunner._fused_forward``), a few KiB per token less: this TP1 form is the cautious one there."""
+    w = model.widths
+    b = DTYPE_BITS[model.dtype] // 8
+    block = model.attn_res_block_size
+    opens_block_in_moe = any(i % block == 0 and model.layers[i].mlp == "moe" for i in range(start, end))
+    residual_side = cdiv(end, block) + 3 + opens_block_in_moe
+    return b * (w.hidden_size * (residual_side + 3) + 2 * w.moe_hidden_size) + 4 * w.num_experts
 
 
 def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,

@@ -138,7 +138,9 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
         terms.append(RankOnlyTerm("draft", real.draft_bytes - sliced.draft_bytes, True,
                                   "under PP the last stage builds its own 1/TP share of the target embedding for the draft"))
     for name, attr, source in (
-            ("activation", "activation_bytes", "the plan's profile peak (the sampler runs on the last stage only)"),
+            ("activation", "activation_bytes", "the plan's profile peak (the sampler runs on the last stage only; a "
+                                               "later stage's forward holds every AttnRes block from layer 0, where "
+                                               "the model, numbered from 0, holds its own: from vLLM's code)"),
             ("non_torch", "non_torch_bytes", "the plan's post-snapshot non-torch memory: TP>2 custom all-reduce buffers "
                                              "(2.1 GiB, llm-d on H100; not measured on an H200 at TP8) and NCCL's NVLS "
                                              "buffers where the config leaves NVLS on (planning/nvls.py, computed from "
