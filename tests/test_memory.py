@@ -371,3 +371,19 @@ def test_a_stage_deeper_than_the_measured_ones_says_its_cuda_graphs_are_extrapol
     assert not [n for n in measured_size.notes if n.startswith("CUDA graphs:")]
     eager = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768, enforce_eager=True), device("H200"))
     assert not [n for n in eager.notes if n.startswith("CUDA graphs:")]
+
+
+def test_a_later_stage_holds_every_attnres_block_from_layer_0(k3) -> None:
+    """vLLM 0.32's Kimi-K3 forward allocates ``block_residual`` with ``cdiv(end_layer, 12)`` rows on every PP stage
+    (models/kimi_k3/nvidia/model.py): stage 1 of deploy/config.yaml (layers 49-92) holds 8 blocks, where its rank slice,
+    a 44-layer model numbered from 0, holds 4. Both open a block inside a MoE layer (the old prefix held too)."""
+    from kimi_k3_serve.planning.memory import kimi_forward_peak_bytes_per_token
+    from kimi_k3_serve.rehearsal.slicing import slice_text_config
+    from kimi_k3_serve.models import inventory_from_config, read_config
+
+    stage1 = kimi_forward_peak_bytes_per_token(k3, 49, 93)
+    slice44 = inventory_from_config(slice_text_config(read_config("kimi-k3")[0], 44), name="s44")
+    assert stage1 - kimi_forward_peak_bytes_per_token(slice44, 0, 44) == (8 - 4) * k3.hidden_size * 2
+    # Stage 0 (49 layers from 0) and a 49-layer slice are the same shape.
+    assert kimi_forward_peak_bytes_per_token(k3, 0, 49) == kimi_forward_peak_bytes_per_token(
+        inventory_from_config(slice_text_config(read_config("kimi-k3")[0], 49), name="s49"), 0, 49)
