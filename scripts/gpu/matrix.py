@@ -204,6 +204,15 @@ SETS: dict[str, list[Job]] = {
         rank("r49-s0-b12288-s128-u090", 0, role="validation", tokens=12288, seqs=128, util=0.90, expected_s=220),
         rank("r44-s1-dspark-b12288-s128", 1, role="validation", tokens=12288, seqs=128, expected_s=240),
     ],
+    # Round 6 (roles fixed 2026-12-02, seventh session, before they run): the profile split into the buffers vLLM
+    # keeps from the sampler and the speculator (persistent, growing with max_num_seqs) and the forward's transient.
+    # The full-width slice without a draft at 16 sequences fits the full-width constant apart from any seqs term;
+    # the two ranks between the recorded sequence counts score it.
+    "ranks-round6": [
+        kimi("k4-tp1-b8192-s16-nodraft", 4, tokens=8192, seqs=16, draft=None, expected_s=120, role="fit"),
+        rank("r44-s1-dspark-b8192-s192", 1, role="validation", seqs=192, expected_s=240),
+        rank("r49-s0-b4096-s256", 0, role="validation", tokens=4096, seqs=256, expected_s=220),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
