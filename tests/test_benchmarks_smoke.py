@@ -439,3 +439,25 @@ def test_the_scripts_ray_heads_listen_on_loopback_only(script):
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "GCS 127.0.0.1:" in done.stdout, done.stdout
+
+
+H200_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-02-h200"
+
+
+def test_the_recorded_h200_run_rebuilds_to_what_the_benchmarks_page_says(bench_serving, tmp_path):
+    """The H200 run of 2026-12-02 (docs/benchmarks.md, "On one H200"), rebuilt from its result JSONs: token by token
+    through our ingress collapses at 64 and 256, direct streaming with the key stays at bare vLLM's throughput."""
+    import shutil
+
+    folder = tmp_path / "bench"
+    shutil.copytree(H200_BENCH, folder)
+    assert bench_serving.resummarise(folder, None) == 0
+    goals = {(g["side"], g["concurrency"]): g for g in json.loads((folder / "summary.json").read_text())["goals"]}
+    assert {side for side, _ in goals} == {"serve+key", "direct+key", "serve@50+key"}
+    for concurrency in (64, 256):
+        assert goals[("serve+key", concurrency)]["throughput_ratio"] < 0.45
+        assert goals[("direct+key", concurrency)]["throughput_ratio"] >= 0.97
+        assert goals[("direct+key", concurrency)]["itl_met"]
+    assert round(goals[("direct+key", 1)]["ttft_p50_overhead_ms"], 1) == 10.9
+    assert (folder / "summary.md").read_text() == (H200_BENCH / "summary.md").read_text()
+    assert not (H200_BENCH / "api-key").exists()  # the run's key stays out of the fixture
