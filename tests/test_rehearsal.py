@@ -82,9 +82,11 @@ def test_shipped_expert_targets_use_the_names_vllm_matches() -> None:
     for name in ("gate_proj", "up_proj", "down_proj"):
         assert q.quantizes(f"model.layers.1.block_sparse_moe.experts.7.{name}")
     assert not q.quantizes("model.layers.1.block_sparse_moe.experts.7.w1")
-    # ... and the planner's numbers are those of the documented checkpoint: 102.7 GB per GPU on stage 0 at TP8 x PP2.
+    # ... and the planner's numbers are those of the documented checkpoint: 102.7 GB per GPU on stage 0 at TP8 x PP2,
+    # and 268.75 MiB of the caching allocator's whole blocks on them (planning/allocator.py).
     r = estimate_memory(load_model("kimi-k3"), Layout(tp=8, pp=2), EngineSettings(max_model_len=32768), H200)
-    assert r.ranks[0].weights_bytes == 102_708_199_104
+    assert r.ranks[0].weights_bytes == 102_708_199_104 + r.ranks[0].weights_by_category["allocator_rounding"]
+    assert r.ranks[0].weights_by_category["allocator_rounding"] == int(268.75 * 2**20)
 
 
 # -- vLLM's log, replayed -----------------------------------------------------------------------------------------------
@@ -254,10 +256,12 @@ def test_the_mla_eagle3_draft_meets_vllm_at_full_width_and_on_a_tp8_rank(runs) -
     assert {"serve-one-gpu-eagle3-mla", "r44-s1-eagle3-mla"} <= set(eagle)
     for r in eagle.values():
         assert r.role == "validation", r.name  # scored here, never fitted on
-        assert abs(accuracy.RunAccuracy.error(r.weights)) <= 0.003, (r.name, r.weights)
+        assert abs(accuracy.RunAccuracy.error(r.weights)) <= 0.001, (r.name, r.weights)
         assert -0.07 <= accuracy.RunAccuracy.error(r.profile) <= 0.1, (r.name, r.profile)  # over: the safe side
         assert -0.15 <= accuracy.RunAccuracy.error(r.cuda_graph) <= 0.2, (r.name, r.cuda_graph)
-        assert abs(accuracy.RunAccuracy.error(r.kv)) <= 0.01, (r.name, r.kv)
+        # The pool over vLLM's at most 1 % (the unsafe side), under it within issue 23's 3 %: r44-s1-eagle3-mla is
+        # -1.2 % since the allocator's rounding put its weights exact (its profile and graphs are over).
+        assert -0.03 <= accuracy.RunAccuracy.error(r.kv) <= 0.01, (r.name, r.kv)
     full = eagle["serve-one-gpu-eagle3-mla"]
     assert abs(full.profile[0] - full.profile[1]) <= 0.15 * GiB  # 7.47 / 7.61 GiB (7.56 before NON_TORCH_TP1's refit, round 5)
 

@@ -39,6 +39,10 @@ CATEGORIES = (
     "runtime_copies",
 )
 
+STACKED_PARAMS = ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+                  (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj."))
+"""Checkpoint modules vLLM loads into one merged parameter (its models' ``stacked_params_mapping``)."""
+
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE (model_executor/layers/vocab_parallel_embedding.py).
 VOCAB_PADDING = 64
 
@@ -350,6 +354,21 @@ class ModelInventory:
     # -- per-rank bytes (cached per TP/EP shape) ---------------------------------------------------
     def _local_bytes(self, t: TensorSpec, tp: int, ep_size: int, ep: bool, sp: bool) -> int:
         return t.local_bytes(tp, ep_size, ep, sp, self.expert_min_intermediate_per_rank)
+
+    def allocations(self, tensors: Iterable[TensorSpec], tp: int, ep_size: int, ep: bool, sp: bool = False) -> list[int]:
+        """Bytes of each tensor vLLM allocates for ``tensors`` on one rank. FusedMoE stacks a layer's local experts
+        into one tensor; any other ``count`` is that many separate parameters; q/k/v and gate/up listed apart are
+        one parameter in vLLM (``stacked_params_mapping`` of the Llama / Qwen / DeepSeek ``load_weights``: qkv_proj,
+        gate_up_proj)."""
+        merged: dict[tuple[str, int], int] = {}
+        for t in tensors:
+            allocations = 1 if t.sharding == EXPERT else t.count
+            name = t.name
+            for part, stacked in STACKED_PARAMS:
+                name = name.replace(part, stacked)
+            key = (name, allocations)
+            merged[key] = merged.get(key, 0) + self._local_bytes(t, tp, ep_size, ep, sp) // allocations
+        return [each for (_, allocations), each in merged.items() for _ in range(allocations)]
 
     def layer_bytes(self, tp: int, ep_size: int, ep: bool, sp: bool = False) -> tuple[dict[str, int], ...]:
         """Per-layer, per-category bytes on one rank of a stage holding that layer."""

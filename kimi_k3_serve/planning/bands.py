@@ -29,8 +29,8 @@ class Band:
 
 WEIGHTS = Band("weights", 0.004, 0,
                "r44-s1-eagle3-mla (2026-12-01): 95.77 GiB planned, 96.15 GiB loaded (-0.39 %) before the MLA EAGLE3's "
-               "RoPE table was counted (now -0.26 %); the TP8 rank slices run 0.25-0.29 % under, the full-width slices "
-               "under 0.1 %")
+               "RoPE table and the caching allocator's whole blocks were counted (2026-12-02: every Kimi-K3 run "
+               "within 0.01 GiB since); the band stays for Llama-3.1-8B's -0.28 % (llama-3.1-8b-tp1-b16384-s1024)")
 PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
                "serve-one-gpu (2026-11-30): 4.47 GiB planned, 4.73 GiB profiled (-0.26 GiB, -5.6 %), the worst Kimi-K3 "
                "validation error in the unsafe direction since the forward's peak is read from vLLM's code (2026-12-02, "

@@ -30,6 +30,7 @@ from kimi_k3_serve.planning.kvcache import (
     group_layers,
     hybrid_block_size,
 )
+from kimi_k3_serve.planning.allocator import allocator_rounding_bytes
 from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice
 from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
 from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
@@ -61,9 +62,14 @@ with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 an
 to 2026-12-02;
 ``scripts/fit_memory_constants.py``)."""
 SAMPLER_FP32_VOCAB_COPIES = 2.54
-"""vLLM's dummy sampler run holds about four fp32 ``max_num_seqs x vocab`` tensors at its peak (logits, and the
-probabilities / log-probabilities the sampler derives): a factor fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``
-(16 to 1024 sequences); the forward's output is still held, so the two add up."""
+"""A fitted factor of fp32 ``max_num_seqs x vocab`` tensors added to the forward's peak (with ``NON_TORCH_TP1`` on
+``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds is otherwise: the dummy sampler run stays
+under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``: no fp32 copy in the dummy batch), and what
+grows with ``max_num_seqs`` is persistent, made after the weights and counted as non-torch: the penalties'
+``output_bin_counts`` (int32, ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py),
+1.06 fp32 copies without a draft, 1.28 with DSpark. The recorded rank slices fit that split within 0.2 GiB (this
+factor: 0.67 GiB over on r44-s1-dspark-u080-b16384-s256); the full-width slices keep a transient of 0.8-1.0 GiB it
+does not explain, so the factor stays until runs of ``ranks-round6`` (scripts/gpu/matrix.py) settle it."""
 DSPARK_PROFILE_LOGITS_COPIES = 0.66
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
@@ -724,9 +730,40 @@ def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings
     for p in parts:
         for k, v in p.items():
             by_cat[k] = by_cat.get(k, 0) + v
+    # The caching allocator's whole blocks that "Model loading took" counts, per tensor as sharded on the rank.
+    rounding = sum(_layer_rounding(model, layout.tp, ep_size, layout.ep, sp)[start:end])
+    if stage == 0:
+        rounding += _tensors_rounding(model, model.embedding, layout.tp, ep_size, layout.ep, sp)
+        if not engine.language_model_only and model.vision:
+            rounding += _tensors_rounding(model, model.vision, layout.tp, ep_size, layout.ep, sp)
+    if stage == layout.pp - 1:
+        tied = model.tie_word_embeddings and layout.pp == 1
+        rounding += _tensors_rounding(model, [t for t in model.head if not (tied and t.category == "lm_head")],
+                                      layout.tp, ep_size, layout.ep, sp)
+    if rounding:
+        by_cat["allocator_rounding"] = rounding
     result = (sum(by_cat.values()), MappingProxyType(by_cat))  # read-only: shared by every rank of the stage
     _memo(model)[key] = result
     return result
+
+
+def _tensors_rounding(model: ModelInventory, tensors, tp: int, ep_size: int, ep: bool, sp: bool) -> int:
+    """``allocator_rounding_bytes`` over ``tensors`` as vLLM allocates them on one rank (planning/allocator.py).
+
+    Applied to every tensor as loaded, whatever the MoE backend: on Hopper, Marlin's MXFP4 processing
+    (quantization/utils/marlin_utils_fp4.py ``prepare_moe_mxfp4_layer_for_marlin``) rebuilds the expert scales with
+    ``torch.cat`` as new tensors of the same bytes, so the same rule holds; Blackwell's backends are not measured."""
+    return sum(allocator_rounding_bytes(each) for each in model.allocations(tensors, tp, ep_size, ep, sp))
+
+
+def _layer_rounding(model: ModelInventory, tp: int, ep_size: int, ep: bool, sp: bool) -> tuple[int, ...]:
+    """Per layer, the allocator's rounding of its tensors on one rank (memoised per TP/EP shape)."""
+    key = ("rounding", tp, ep_size, ep, sp)
+    cached = _memo(model).get(key)
+    if cached is None:
+        cached = _memo(model)[key] = tuple(_tensors_rounding(model, layer.tensors, tp, ep_size, ep, sp)
+                                           for layer in model.layers)
+    return cached
 
 
 def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layout: Layout, stage: int,
@@ -743,6 +780,7 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
     total = 0
     if layout.pp > 1 and spec.method in ("eagle", "eagle3", "dflash", "dspark"):
         total += sum(model.group_bytes("embedding", layout.tp, layout.tp * layout.dp, layout.ep).values())
+        total += _tensors_rounding(model, model.embedding, layout.tp, layout.tp * layout.dp, layout.ep, False)
     if draft is not None:
         dtp = spec.draft_tp or layout.tp
         key = ("draft_total", dtp, load_format)
@@ -751,6 +789,11 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
             own = sum(sum(d.values()) for d in draft.layer_bytes(dtp, dtp, False))
             extra = draft.group_bytes("draft_extra", dtp, dtp, False)
             own += sum(v for k, v in extra.items() if not (k == "draft_lm_head" and load_format == "dummy"))
+            # The allocator's rounding of the draft's own tensors (planning/allocator.py), as for the target's.
+            own += sum(_layer_rounding(draft, dtp, dtp, False, False))
+            own += _tensors_rounding(draft, [t for t in draft.draft_extra
+                                             if not (t.category == "draft_lm_head" and load_format == "dummy")],
+                                     dtp, dtp, False, False)
             _memo(draft)[key] = own
         total += own
     return total
