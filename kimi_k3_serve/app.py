@@ -71,6 +71,7 @@ def build_app(args: dict[str, Any]):
             raise ConfigError("args.parallel.data_parallel_size", validated.parallel.data_parallel_size,
                               "1 under Ray Serve LLM's direct streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1): "
                               "the API key and the bound on n are not carried to the DP ranks' app yet")
+        check_haproxy_on_loopback()
         from kimi_k3_serve.serving.server import GUARDS_KEY
 
         llm_config.experimental_configs[GUARDS_KEY] = dict(ingress_extra_kwargs)
@@ -191,6 +192,21 @@ def direct_streaming_on() -> bool:
     from ray.llm._internal.serve.core.ingress import builder
 
     return bool(builder.RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING)
+
+
+def check_haproxy_on_loopback() -> None:
+    """Direct streaming puts Ray's HAProxy in front, whose stats and metrics ports bind every interface with no
+    authentication; it is served only with ``kimi-k3-serve-haproxy`` as the nodes' HAProxy, which puts them on
+    loopback (``kimi_k3_serve.serving.haproxy_loopback``)."""
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_BINARY_PATH
+
+    from kimi_k3_serve.serving.haproxy_loopback import PROGRAM, is_loopback_haproxy
+
+    if not is_loopback_haproxy(RAY_SERVE_HAPROXY_BINARY_PATH):
+        raise ConfigError("RAY_SERVE_HAPROXY_BINARY_PATH", RAY_SERVE_HAPROXY_BINARY_PATH or "(unset)",
+                          f"the absolute path of {PROGRAM} on every Ray node under direct streaming "
+                          f"(RAY_SERVE_HAPROXY_BINARY_PATH=$(command -v {PROGRAM}) before ray start): Ray's own "
+                          "HAProxy opens its stats (8404) and metrics (9101) ports on every interface")
 
 
 def experimental_configs(args: ServeArgs) -> dict[str, Any]:

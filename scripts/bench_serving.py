@@ -310,7 +310,10 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
                 api_key_file: Path | None = None) -> int:
     """Run one Serve side until SIGTERM: own Ray head (own temp dir, fresh ports), Serve on 127.0.0.1:port."""
     if parse_side(side).kind == "direct":
+        from kimi_k3_serve.serving.haproxy_loopback import stand_in_path
+
         os.environ.update(DIRECT_STREAMING_ENV)  # before Ray is imported; the Ray head's workers inherit it
+        os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = stand_in_path(Path(temp_dir))  # HAProxy's ports on loopback
     import ray
     from ray import serve
 

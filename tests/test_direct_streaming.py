@@ -143,12 +143,14 @@ def test_build_app_under_direct_streaming_carries_the_guards_to_the_llm_replica(
     """Ray refuses an ingress class in this mode; build_app gives it the LLMConfig alone, and the LLM replica (ours,
     the ingress now) gets the key file's path and the bound on n. The key itself is nowhere in what is deployed."""
     from ray.llm._internal.serve.core.ingress import builder
+    from ray.serve._private import constants
 
     from conftest import REPO_ROOT
     from kimi_k3_serve.app import build_app
     from kimi_k3_serve.config.serve_config import load_serve_app
 
     monkeypatch.setattr(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", True)  # as RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1
+    monkeypatch.setattr(constants, "RAY_SERVE_HAPROXY_BINARY_PATH", "/opt/venv/bin/kimi-k3-serve-haproxy")
     raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
     app = build_app({**raw, "security": {"api_key_file": key_file, "require_api_key": True}})
     deployment = app._bound_deployment
@@ -162,3 +164,21 @@ def test_build_app_under_direct_streaming_carries_the_guards_to_the_llm_replica(
     monkeypatch.setattr(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", False)
     assert "OpenAiErrorsIngress" in build_app(raw)._bound_deployment.func_or_class.__name__ or \
         any("OpenAiErrorsIngress" in c.__name__ for c in build_app(raw)._bound_deployment.func_or_class.__mro__)
+
+
+@pytest.mark.parametrize("binary", ["", "/usr/sbin/haproxy"])
+def test_direct_streaming_without_the_loopback_haproxy_is_refused(monkeypatch, binary):
+    """Ray's own HAProxy opens its stats and metrics ports on every interface: under direct streaming the app is
+    built only when the nodes run ``kimi-k3-serve-haproxy`` as HAProxy, and the refusal names the variable."""
+    from ray.llm._internal.serve.core.ingress import builder
+    from ray.serve._private import constants
+
+    from conftest import REPO_ROOT
+    from kimi_k3_serve.app import build_app
+    from kimi_k3_serve.config.serve_config import load_serve_app
+    from kimi_k3_serve.errors import ConfigError
+
+    monkeypatch.setattr(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", True)
+    monkeypatch.setattr(constants, "RAY_SERVE_HAPROXY_BINARY_PATH", binary)
+    with pytest.raises(ConfigError, match=r"RAY_SERVE_HAPROXY_BINARY_PATH: got .*kimi-k3-serve-haproxy"):
+        build_app(load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args)
