@@ -63,6 +63,11 @@ def build_app(args: dict[str, Any]):
         "require_api_key": validated.security.require_api_key,
         "max_choices": validated.limits.max_num_seqs,
     }
+    if validated.deployment.direct_streaming and not direct_streaming_on():
+        raise ConfigError("args.deployment.direct_streaming", True,
+                          "set only where the Ray nodes were started with RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 and "
+                          "RAY_SERVE_ENABLE_HA_PROXY=1 (`kimi-k3-serve render` writes them into the cluster file); "
+                          "false serves through our ingress")
     if direct_streaming_on():
         # Ray Serve LLM's direct streaming (the Ray nodes' RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1): the LLM replica
         # is the ingress and serves vLLM's own app, which HAProxy reaches directly; Ray refuses an ingress class

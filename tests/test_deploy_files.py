@@ -442,3 +442,67 @@ def test_no_shipped_cluster_file_exposes_rays_control_plane(cluster_file):
         assert "RAY_AUTH_TOKEN" not in text
     else:
         assert fmt == "fake" and "--node-ip-address=127.0.0.1" in text
+
+
+# --- args.deployment.direct_streaming: every node's environment, in the rendered files -------------------------------
+
+DIRECT_ENV = ("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH")
+
+
+def _direct_streaming_config(tmp_path: Path, source: str = "config.yaml") -> Path:
+    text = (REPO / "deploy" / source).read_text()
+    assert "      deployment:\n" in text
+    config = tmp_path / source
+    config.write_text(text.replace("      deployment:\n", "      deployment:\n        direct_streaming: true\n", 1))
+    assert load_serve_app(config).args.deployment.direct_streaming
+    return config
+
+
+@pytest.mark.parametrize("fmt", ["launcher-aws", "launcher-gcp"])
+def test_direct_streaming_starts_every_launcher_node_with_its_environment(tmp_path, fmt):
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    from kimi_k3_serve.commands.render import render_deploy_config
+
+    document = yaml.safe_load(render_deploy_config(_direct_streaming_config(tmp_path), fmt))
+    jsonschema.validate(document, _ray_schema())
+    validate_config(prepare_config(document))
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in document[key] if "ray start" in c]
+    assert len(starts) == 2
+    for start in starts:
+        assert all(f"{name}=" in start.split("ray start")[0] for name in DIRECT_ENV), start
+        assert "RAY_SERVE_HAPROXY_BINARY_PATH=$HOME/kimi-k3-serve-env/bin/kimi-k3-serve-haproxy " in start
+    # ... where the setup commands put the console script
+    assert any("-e ~/kimi-k3-serve" in c for c in document["setup_commands"])
+
+
+def test_direct_streaming_sets_every_kuberay_pods_environment(tmp_path):
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    from kimi_k3_serve.commands.render import render_deploy_config
+
+    document, policy = yaml.safe_load_all(render_deploy_config(_direct_streaming_config(tmp_path), "kuberay"))
+    problems: list[str] = []
+    _check_fields(document, _KUBERAY_RAYSERVICE, "", problems)
+    assert not problems, "\n".join(problems)
+    cluster = document["spec"]["rayClusterConfig"]
+    _derive_autoscaling_config_from_ray_cr({"metadata": {"name": "kimi-k3", "namespace": "default"}, "spec": cluster})
+    pods = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        assert {e["name"]: e["value"] for e in container["env"]} == {
+            "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/kimi-k3-serve/bin/kimi-k3-serve-haproxy"}
+    # deploy/Dockerfile installs the package into that venv
+    assert "python3.12 -m venv /opt/kimi-k3-serve" in (REPO / "deploy" / "Dockerfile").read_text()
+    assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])] == [8265, 8000]
+
+
+def test_direct_streaming_with_data_parallel_is_refused_in_one_line(tmp_path, capsys):
+    from kimi_k3_serve.cli import main
+
+    config = _direct_streaming_config(tmp_path, "config-wide-ep.yaml")
+    assert main(["render", "--config", str(config), "--format", "launcher-aws"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "args.deployment.direct_streaming: got True" in err and "data_parallel_size" in err

@@ -182,3 +182,19 @@ def test_direct_streaming_without_the_loopback_haproxy_is_refused(monkeypatch, b
     monkeypatch.setattr(constants, "RAY_SERVE_HAPROXY_BINARY_PATH", binary)
     with pytest.raises(ConfigError, match=r"RAY_SERVE_HAPROXY_BINARY_PATH: got .*kimi-k3-serve-haproxy"):
         build_app(load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args)
+
+
+def test_a_config_asking_for_direct_streaming_on_nodes_started_without_it_is_refused(monkeypatch):
+    """``args.deployment.direct_streaming`` says what the nodes were started with (``render`` writes it); an app built
+    where Ray will not stream directly stops in one line instead of serving through the other path unnoticed."""
+    from ray.llm._internal.serve.core.ingress import builder
+
+    from conftest import REPO_ROOT
+    from kimi_k3_serve.app import build_app
+    from kimi_k3_serve.config.serve_config import load_serve_app
+    from kimi_k3_serve.errors import ConfigError
+
+    monkeypatch.setattr(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", False)
+    raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
+    with pytest.raises(ConfigError, match=r"args.deployment.direct_streaming: got True; set only where the Ray nodes"):
+        build_app({**raw, "deployment": {**(raw.get("deployment") or {}), "direct_streaming": True}})

@@ -289,6 +289,8 @@ class ClusterFileRequest:
     deploy_startup: StartupBudgets | None = None
     """The budgets the deploy config's ``RAYLLM_ENGINE_START_TIMEOUT_S`` carries (the slowest node type ``render``
     writes for the GPU); None: this file's own."""
+    direct_streaming: bool = False
+    """``args.deployment.direct_streaming``: every node starts Ray with ``direct_streaming_env``."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -318,6 +320,19 @@ def render_command(request: ClusterFileRequest) -> str:
     """The command line that writes this file (quoted in its header; a test runs it again)."""
     words = ["kimi-k3-serve", "render", "--config", request.deploy_config, "--format", request.format]
     return " ".join(words + list(request.extra_options))
+
+
+LAUNCHER_HAPROXY = "$HOME/kimi-k3-serve-env/bin/kimi-k3-serve-haproxy"
+"""The console script in the launcher files' venv (``_setup_commands``)."""
+IMAGE_HAPROXY = "/opt/kimi-k3-serve/bin/kimi-k3-serve-haproxy"
+"""The console script in the GPU image's venv (deploy/Dockerfile)."""
+
+
+def direct_streaming_env(haproxy: str) -> dict[str, str]:
+    """What Ray Serve LLM's direct streaming needs in a node's environment before ``ray start``: the mode, Ray's
+    HAProxy in front, and HAProxy's stats and metrics ports on loopback (``serving.haproxy_loopback``)."""
+    return {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy}
 
 
 def render(request: ClusterFileRequest) -> str:
@@ -447,6 +462,8 @@ def _launcher_common(request: ClusterFileRequest, provider: list[str], auth: lis
                      head_config: list[str], worker_config: list[str]) -> list[str]:
     shape, scaling = request.shape, request.scaling
     max_workers = scaling.max_workers(shape)
+    start_env = "".join(f"{k}={v} " for k, v in direct_streaming_env(LAUNCHER_HAPROXY).items()) \
+        if request.direct_streaming else ""
     lines = [
         f"cluster_name: {_scalar(request.cluster_name)}",
         f"max_workers: {max_workers}  # = max_replicas {scaling.max_replicas} x {shape.nodes_per_replica} nodes per replica",
@@ -487,11 +504,13 @@ def _launcher_common(request: ClusterFileRequest, provider: list[str], auth: lis
         "  - ray stop",
         "  # Token authentication on (RAY_AUTH_MODE=token, the token from ~/.ray/auth_token); the dashboard and its Jobs",
         "  # API listen on the head's loopback only: reach them through `ray dashboard <this file>` (an SSH tunnel).",
-        "  - ulimit -n 65536; RAY_AUTH_MODE=token ray start --head --port=6379 --num-gpus=0 "
+        *(["  # args.deployment.direct_streaming: HAProxy in front of vLLM's own app, its stats and metrics on loopback."]
+          if request.direct_streaming else []),
+        f"  - ulimit -n 65536; RAY_AUTH_MODE=token {start_env}ray start --head --port=6379 --num-gpus=0 "
         "--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1",
         "worker_start_ray_commands:",
         "  - ray stop",
-        "  - ulimit -n 65536; RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:6379",
+        f"  - ulimit -n 65536; RAY_AUTH_MODE=token {start_env}ray start --address=$RAY_HEAD_IP:6379",
         "# Then: ray up <this file>; ray exec <this file> 'cd ~/kimi-k3-serve && "
         f"kimi-k3-serve check --config {request.deploy_config} && serve deploy {request.deploy_config}'",
         f"# Dashboard: ray dashboard <this file>, then http://127.0.0.1:{DASHBOARD_PORT} (it asks for the token).",
@@ -572,6 +591,16 @@ def _render_launcher_gcp(request: ClusterFileRequest) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _container_env(indent: str, request: ClusterFileRequest) -> list[str]:
+    """A KubeRay container's ``env`` for ``args.deployment.direct_streaming`` (none otherwise)."""
+    if not request.direct_streaming:
+        return []
+    return [f"{indent}# args.deployment.direct_streaming: HAProxy in front of vLLM's own app, its stats and metrics "
+            "on loopback.",
+            f"{indent}env:",
+            *(f"{indent}  - {{name: {k}, value: {_scalar(v)}}}" for k, v in direct_streaming_env(IMAGE_HAPROXY).items())]
+
+
 def _render_fake(request: ClusterFileRequest) -> str:
     shape, scaling = request.shape, request.scaling
     max_workers = scaling.max_workers(shape)
@@ -585,7 +614,10 @@ def _render_fake(request: ClusterFileRequest) -> str:
         "Fake GPUs, the same custom resources and node counts as the production files. Start the head with "
         "RAY_FAKE_CLUSTER=1 ray start --head --node-ip-address=127.0.0.1 --autoscaling-config=<this file as JSON> "
         "in Ray's loopback mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), so that it is reachable from this machine "
-        "only; set provider.gcs_address when the GCS is not on port 6379.",
+        "only; set provider.gcs_address when the GCS is not on port 6379."
+        + (" args.deployment.direct_streaming: start it with "
+           + " ".join(f"{k}={v}" for k, v in direct_streaming_env("$(command -v kimi-k3-serve-haproxy)").items())
+           + " too." if request.direct_streaming else ""),
     )
     lines += [
         f"cluster_name: {_scalar(request.cluster_name)}",
@@ -687,6 +719,7 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         "                - {containerPort: 8265, name: dashboard}",
         "                - {containerPort: 10001, name: client}",
         "                - {containerPort: 8000, name: serve}",
+        *_container_env("              ", request),
         "    workerGroupSpecs:",
         f"      - groupName: {request.worker_type.replace('_', '-')}",
         f"        replicas: {min_workers}",
@@ -703,6 +736,7 @@ def _render_kuberay(request: ClusterFileRequest) -> str:
         "            containers:",
         "              - name: ray-worker",
         f"                image: {image}",
+        *_container_env("                ", request),
         "                resources:",
         f'                  limits: {{cpu: "{offering.cpus}", memory: {_k8s_quantity_gib(offering.memory_bytes)}, '
         f'nvidia.com/gpu: "{shape.gpus_per_node}"}}',
