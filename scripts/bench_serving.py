@@ -677,6 +677,9 @@ def run_client(client: BenchClient, side: RunningSide, engine: Engine, workload:
         raise RuntimeError(f"benchmark client failed on {side.name} ({reason}); {log}:\n{tail}")
     result = chunk_stats(json.loads((result_dir / name).read_text()))
     result["_wall_s"] = time.monotonic() - started
+    round_of = re.search(r"-r(\d+)\.json$", name)
+    if round_of:
+        result["_round"] = int(round_of.group(1))
     result["_cpu_s"] = {name: round(cpu_after[name] - cpu_before[name], 3) for name in COMPONENTS}
     (result_dir / name).write_text(json.dumps(result))  # with our additions, for --from-results
     return result
@@ -931,8 +934,20 @@ class Cell:
     concurrency: int
     runs: list[dict[str, float]] = field(default_factory=list)
 
-    def median(self, key: str) -> float:
-        return statistics.median(run[key] for run in self.runs)
+    def median(self, key: str, rounds: set[int] | None = None) -> float:
+        """Median over this cell's runs, or over those of ``rounds`` only."""
+        return statistics.median(run[key] for run in self.runs if rounds is None or run.get("_round") in rounds)
+
+    def rounds(self) -> set[int]:
+        return {run["_round"] for run in self.runs if "_round" in run}
+
+
+def paired_rounds(cell: Cell, base: Cell) -> set[int] | None:
+    """The rounds both sides ran: a ratio compares like with like when the deadline cut one side's last round
+    (2026-12-02, H200: bare vLLM's 2 rounds at concurrency 8 against direct+key's 3 gave 0.96x; round by round it
+    was 0.99x and 0.99x). None, all of each side's runs, when the runs carry no round or share none."""
+    common = cell.rounds() & base.rounds()
+    return common or None
 
 
 def summarise(cells: dict[tuple[str, int], Cell], sides: list[str], concurrencies: list[int]) -> list[dict[str, Any]]:
@@ -948,15 +963,20 @@ def summarise(cells: dict[tuple[str, int], Cell], sides: list[str], concurrencie
             for key in CHUNK_METRICS:
                 values = [r[key] for r in cell.runs if r.get(key) is not None]
                 row[key] = statistics.median(values) if values else None
+            paired = paired_rounds(cell, base) if base is not None and base.runs else None
+            if paired:
+                row["rounds"] = len(cell.rounds() & paired)
             for key in METRICS:
-                row[key] = cell.median(key)
+                row[key] = cell.median(key, paired)
                 row[key + "_all"] = [r[key] for r in cell.runs]
                 if base is not None and base.runs:
-                    reference = base.median(key)
+                    reference = base.median(key, paired)
                     # A median ITL of ~0 ms (chunks read together) has no meaningful ratio.
-                    row[key + "_ratio"] = row[key] / reference if reference >= MIN_RATIO_REFERENCE else None
+                    row[key + "_ratio"] = (cell.median(key, paired) / reference
+                                           if reference >= MIN_RATIO_REFERENCE else None)
             if base is not None and base.runs:
-                row["ttft_p50_overhead_ms"] = row["median_ttft_ms"] - base.median("median_ttft_ms")
+                row["paired_rounds"] = sorted(paired) if paired else None
+                row["ttft_p50_overhead_ms"] = cell.median("median_ttft_ms", paired) - base.median("median_ttft_ms", paired)
             runs_with_cpu = [r for r in cell.runs if "_cpu_s" in r and r.get("completed")]
             if runs_with_cpu:
                 row["cpu_ms_per_request"] = {
@@ -1011,11 +1031,19 @@ def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         reference = base.get(row["concurrency"])
         if row["side"] == "vllm" or reference is None:
             continue
-        throughput = row["output_throughput"] / reference["output_throughput"]
-        ttft_ms = row["median_ttft_ms"] - reference["median_ttft_ms"]
-        tpot = (row["median_tpot_ms"] / reference["median_tpot_ms"] - 1) if reference["median_tpot_ms"] > 0 else None
-        itl = (row["median_itl_ms"] / reference["median_itl_ms"]
-               if reference["median_itl_ms"] >= MIN_RATIO_REFERENCE else None)
+        # A summarised row's ratios and overhead compare the rounds both sides ran (``summarise``,
+        # ``paired_rounds``); a row without them is compared with the reference row as it stands.
+        if "output_throughput_ratio" in row:
+            throughput, ttft_ms = row["output_throughput_ratio"], row["ttft_p50_overhead_ms"]
+            tpot_ratio, itl = row.get("median_tpot_ms_ratio"), row.get("median_itl_ms_ratio")
+        else:
+            throughput = row["output_throughput"] / reference["output_throughput"]
+            ttft_ms = row["median_ttft_ms"] - reference["median_ttft_ms"]
+            tpot_ratio = (row["median_tpot_ms"] / reference["median_tpot_ms"]
+                          if reference["median_tpot_ms"] >= MIN_RATIO_REFERENCE else None)
+            itl = (row["median_itl_ms"] / reference["median_itl_ms"]
+                   if reference["median_itl_ms"] >= MIN_RATIO_REFERENCE else None)
+        tpot = None if tpot_ratio is None else tpot_ratio - 1
         found.append({
             "side": row["side"], "concurrency": row["concurrency"],
             "throughput_ratio": throughput, "throughput_met": throughput >= GOALS["throughput_ratio_min"],
@@ -1155,7 +1183,7 @@ def summary_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             items = meta[key].items() if isinstance(meta[key], dict) else enumerate(meta[key])
             out += [f"{label}:", *[f"- {k}: {str(v).strip().splitlines()[-1] if str(v).strip() else v}"
                                    for k, v in items], ""]
-    out += ["Medians over rounds; ratios to `vllm` in brackets.", "", markdown_table(rows), "",
+    out += ["Medians over rounds; ratios to `vllm` in brackets, and overheads, over the rounds both sides ran.", "", markdown_table(rows), "",
             "Goals:", "", goals_table(rows), "", "CPU milliseconds per request, by component (median over rounds):",
             "", cpu_table(rows), ""]
     if meta.get("profiles"):
@@ -1192,8 +1220,10 @@ def resummarise(folder: Path, plot_path: Path | None) -> int:
     cells: dict[tuple[str, int], Cell] = {}
     for path in sorted(folder.glob("*-c*-r*.json")):
         side, _, rest = path.stem.rpartition("-c")
-        concurrency = int(rest.split("-r")[0])
-        cells.setdefault((side, concurrency), Cell(side, concurrency)).runs.append(json.loads(path.read_text()))
+        concurrency, round_index = (int(x) for x in rest.split("-r"))
+        run = json.loads(path.read_text())
+        run.setdefault("_round", round_index)  # runs recorded before the round was written into them
+        cells.setdefault((side, concurrency), Cell(side, concurrency)).runs.append(run)
     sides = meta.get("sides") or sorted({side for side, _ in cells}, key=lambda s: (s != "vllm", s))
     concurrencies = meta.get("concurrency") or sorted({c for _, c in cells})
     rows = summarise(cells, sides, concurrencies)
