@@ -499,10 +499,14 @@ def test_direct_streaming_sets_every_kuberay_pods_environment(tmp_path):
     assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])] == [8265, 8000]
 
 
-def test_direct_streaming_with_data_parallel_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["render", "--format", "launcher-aws"],
+                                     ["check", "--cluster", str(REPO / "cluster_configs/aws-h200-p5en-wide-ep.yaml")]])
+def test_direct_streaming_with_data_parallel_is_refused_in_one_line(tmp_path, capsys, command):
     from kimi_k3_serve.cli import main
 
-    config = _direct_streaming_config(tmp_path, "config-wide-ep.yaml")
-    assert main(["render", "--config", str(config), "--format", "launcher-aws"]) == 2
+    text = (REPO / "deploy" / "config-wide-ep.yaml").read_text()
+    config = tmp_path / "config-wide-ep.yaml"
+    config.write_text(text.replace("      deployment:\n", "      deployment:\n        direct_streaming: true\n", 1))
+    assert main([command[0], "--config", str(config), *command[1:]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "args.deployment.direct_streaming: got True" in err and "data_parallel_size" in err

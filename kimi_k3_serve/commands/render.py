@@ -213,10 +213,6 @@ def build_request(
         replica_plan, gpus_per_node=offering.gpus, cpus_per_node=offering.cpus, memory_bytes_per_node=offering.memory_bytes
     )
     scaling = ReplicaScaling(args.autoscaling.min_replicas, args.autoscaling.max_replicas)
-    if args.deployment.direct_streaming and args.parallel.data_parallel_size > 1:
-        raise ConfigError("args.deployment.direct_streaming", True,
-                          "false with args.parallel.data_parallel_size > 1: the API key and the bound on n are not "
-                          "carried to the DP ranks' app under direct streaming yet")
     extra: list[str] = []
     if instance_type is not None:
         extra += ["--instance-type", instance_type]

@@ -363,6 +363,13 @@ class ServeArgs(Section):
                 limits.max_num_batched_tokens,
                 f"must be >= limits.max_num_seqs ({limits.max_num_seqs}): vLLM refuses a step smaller than the batch",
             )
+        if self.deployment.direct_streaming and self.parallel.data_parallel_size > 1:
+            raise ConfigError(
+                "args.deployment.direct_streaming",
+                True,
+                "false with args.parallel.data_parallel_size > 1: the API key and the bound on n are not carried to "
+                "the DP ranks' app under direct streaming yet",
+            )
         if self.target_ongoing_requests > self.max_ongoing_requests:
             raise ConfigError(
                 "args.autoscaling.target_ongoing_requests",
