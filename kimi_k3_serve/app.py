@@ -80,7 +80,7 @@ def build_app(args: dict[str, Any]):
         from kimi_k3_serve.serving.server import GUARDS_KEY
 
         llm_config.experimental_configs[GUARDS_KEY] = dict(ingress_extra_kwargs)
-        return build_openai_app({"llm_configs": [llm_config]})
+        return direct_streaming_deployment(llm_config)
     if validated.parallel.data_parallel_size > 1:  # Ray Serve LLM's data-parallel builder (kimi_k3_serve.serving.dp_serve)
         from kimi_k3_serve.serving.dp_serve import build_dp_app
 
@@ -189,6 +189,21 @@ def deployment_config(args: ServeArgs) -> dict[str, Any]:
         "graceful_shutdown_wait_loop_s": deployment.graceful_shutdown_wait_loop_s,
         "graceful_shutdown_timeout_s": deployment.graceful_shutdown_timeout_s,
     }
+
+
+def direct_streaming_deployment(llm_config: Any):
+    """Ray Serve LLM's direct-streaming deployment (our server class as the ingress) without the ``LLMRouter`` peer
+    that ``build_openai_app`` attaches: one hop fewer per POST (HAProxy's Lua HTTP call to that Python router, after
+    waiting for the body where it is forwarded) for a round robin that HAProxy's ``balance`` does itself; only a
+    KV-aware router (``is_kv_aware``, never set by our ``deployment_config``) would gain from it. Serve's default
+    request router stays: Serve refuses a custom one on an HAProxy ingress without that peer, and HAProxy's traffic
+    does not go through it."""
+    from ray.llm._internal.serve.core.ingress.builder import LLMServingArgs, _build_direct_streaming_llm_deployment
+    from ray.serve.config import RequestRouterConfig
+
+    (validated,) = LLMServingArgs.model_validate({"llm_configs": [llm_config]}).llm_configs  # Ray's own validation
+    return _build_direct_streaming_llm_deployment(
+        validated, override_serve_options={"request_router_config": RequestRouterConfig()})
 
 
 def direct_streaming_on() -> bool:

@@ -141,7 +141,8 @@ def test_without_guards_vllms_app_is_left_as_ray_builds_it():
 @pytest.mark.ray
 def test_build_app_under_direct_streaming_carries_the_guards_to_the_llm_replica(ray_head, monkeypatch, key_file):
     """Ray refuses an ingress class in this mode; build_app gives it the LLMConfig alone, and the LLM replica (ours,
-    the ingress now) gets the key file's path and the bound on n. The key itself is nowhere in what is deployed."""
+    the ingress now) gets the key file's path and the bound on n. The key itself is nowhere in what is deployed.
+    Ray's LLMRouter peer is left out: HAProxy routes straight to the replicas."""
     from ray.llm._internal.serve.core.ingress import builder
     from ray.serve._private import constants
 
@@ -155,6 +156,12 @@ def test_build_app_under_direct_streaming_carries_the_guards_to_the_llm_replica(
     app = build_app({**raw, "security": {"api_key_file": key_file, "require_api_key": True}})
     deployment = app._bound_deployment
     assert issubclass(deployment.func_or_class, LLMServer)  # serve.ingress() over our class: no ingress replica
+    assert app._ingress_request_router is None  # no LLMRouter hop: HAProxy balances the replicas itself
+    assert deployment._deployment_config.request_router_config.is_default_request_router()
+    from ray.serve._private import build_app as serve_build
+
+    monkeypatch.setattr(serve_build, "RAY_SERVE_ENABLE_HA_PROXY", True)
+    serve_build.build_app(app, name="direct")  # Serve's own check: no custom request router on an HAProxy ingress
     (llm_config,) = [v for v in (*deployment.init_args, *deployment.init_kwargs.values()) if hasattr(v, "experimental_configs")]
     assert llm_config.experimental_configs[GUARDS_KEY] == {"api_key_file": key_file, "require_api_key": True,
                                                             "max_choices": 8}
