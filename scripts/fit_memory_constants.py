@@ -59,8 +59,8 @@ GROUPS = (
                          ("CUDA_GRAPH_DRAFT_PER_HEAD", "dspark"), ("CUDA_GRAPH_DRAFT_PER_LAYER", "dspark")), "cuda_graph",
           memory.CUDA_GRAPH_FIT_RUNS),
     Group("profile", (("NON_TORCH_TP1", None), ("SAMPLER_FP32_VOCAB_COPIES", None),
-                      ("DSPARK_PROFILE_LOGITS_COPIES", None)), "profile", memory.PROFILE_FIT_RUNS,
-          integer_scale=(1, 2)),
+                      ("DSPARK_PROFILE_LOGITS_COPIES", None), ("DRAFT_HIDDEN_COPIES", "dspark")), "profile",
+          memory.PROFILE_FIT_RUNS, integer_scale=(1, 2, 3)),
 )
 CONSTANTS = GROUPS[0].constants
 """The CUDA-graph group's constants (tests/test_rehearsal.py checks them against the fit)."""
@@ -98,8 +98,8 @@ def _set(name: str, key: str | None, value) -> None:
 @contextlib.contextmanager
 def constants(group: Group, values: tuple[float, ...]):
     saved = [_get(n, k) for n, k in group.constants]
-    for (n, k), v in zip(group.constants, values):
-        _set(n, k, int(v))
+    for i, ((n, k), v) in enumerate(zip(group.constants, values)):
+        _set(n, k, float(v) if i in group.integer_scale else int(v))
     try:
         yield
     finally:
@@ -126,14 +126,43 @@ def _estimates(group: Group, run_dirs: list[Path], values: tuple[float, ...]) ->
     return out
 
 
-def design(group: Group = GROUPS[0], run_dirs: list[Path] | None = None) -> list[Row]:
-    """Each run as a row of the group's linear model (the plan probed at 0 and at one unit of each constant)."""
+PROBE_STEP = 0.01
+"""A probe moves one constant by this share of a unit (1 MiB, or one copy for a factor): small enough to stay on one
+side of the profile's ``max`` (the KDA layer's peak against the MoE layer's and what follows it)."""
+
+
+def design(group: Group = GROUPS[0], run_dirs: list[Path] | None = None,
+           around: tuple[float, ...] | None = None) -> list[Row]:
+    """Each run as a row of the group's model linearised at ``around`` (default: the shipped constants): the plan
+    probed there and one small step from there along each constant. The profile's term is piecewise linear (a max
+    of two peaks), so ``fit_piecewise`` fits, linearises again at the result and fits again until no run changes side."""
     run_dirs = run_dirs if run_dirs is not None else _runs(group)
     n = len(group.constants)
-    zero = _estimates(group, run_dirs, (0,) * n)
-    unit = [_estimates(group, run_dirs, tuple(_unit(group, i) if i == j else 0 for j in range(n))) for i in range(n)]
-    return [Row(name, role, measured, at_zero, tuple((u[name][1] - at_zero) / _unit(group, i) for i, u in enumerate(unit)))
-            for name, (role, at_zero, measured) in zero.items() if all(name in u for u in unit)]
+    base = tuple(around) if around is not None else tuple(_get(name, key) for name, key in group.constants)
+    at = _estimates(group, run_dirs, base)
+    steps = [_unit(group, i) * PROBE_STEP for i in range(n)]
+    moved = [_estimates(group, run_dirs, tuple(v + steps[i] if i == j else v for j, v in enumerate(base)))
+             for i in range(n)]
+    rows = []
+    for name, (role, value, measured) in at.items():
+        if not all(name in m for m in moved):
+            continue
+        slope = tuple((moved[i][name][1] - value) / steps[i] for i in range(n))
+        rows.append(Row(name, role, measured, round(value - float(np.dot(slope, base))), slope))
+    return rows
+
+
+def fit_piecewise(group: Group, run_dirs: list[Path] | None = None, rounds: int = 4) -> tuple[np.ndarray, list[Row]]:
+    """Fit on the fit runs, linearise again at the result, and repeat (at most ``rounds`` times)."""
+    theta = np.array([float(_get(name, key)) for name, key in group.constants])
+    rows = design(group, run_dirs, tuple(theta))
+    for _ in range(rounds):
+        new = fit([r for r in rows if r.role == "fit"])
+        if np.allclose(new, theta, rtol=1e-3, atol=1e-3):
+            break
+        theta = new
+        rows = design(group, run_dirs, tuple(theta))
+    return theta, rows
 
 
 def fit(rows: list[Row]) -> np.ndarray:
@@ -169,7 +198,7 @@ def shipped(group: Group, theta: np.ndarray) -> np.ndarray:
 
 def report(rows: list[Row], group: Group = GROUPS[0]) -> tuple[np.ndarray, list[str]]:
     fits = [r for r in rows if r.role == "fit"]
-    theta = fit(fits)
+    theta = fit(fits)  # the rows are linearised at the fitted constants (fit_piecewise): this is their fit again
     kept = shipped(group, theta)
     lines = [f"**{group.name}** (the {group.term.replace('_', ' ')} term)", "",
              "| constant | fitted | shipped |", "| --- | --- | --- |"]
@@ -209,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="put the fitted constants into planning/memory.py")
     args = parser.parse_args(argv)
     for group in GROUPS:
-        theta, lines = report(design(group), group)
+        theta, lines = report(fit_piecewise(group)[1], group)
         print("\n".join(lines))
         if args.write:
             write(group, theta)

@@ -201,6 +201,10 @@ def test_weights_within_half_a_percent_on_every_run(runs) -> None:
         assert err is not None and abs(err) <= 0.005, (r.name, r.weights)
 
 
+OTHER_FAMILIES = ("llama", "qwen", "deepseek")
+"""The recorded runs of models other than Kimi-K3 (their profile band is ``bands.PROFILE_OTHER_FAMILIES``)."""
+
+
 def test_kv_pool_error_is_inside_the_band_the_verdict_uses(runs) -> None:
     """On every run where vLLM sized a pool, the plan's pool less its measured band (planning/bands.py) is no larger
     than vLLM's: the verdict's banded pool is on the safe side. Validation runs within 3.5 % above and 4 % below
@@ -210,7 +214,7 @@ def test_kv_pool_error_is_inside_the_band_the_verdict_uses(runs) -> None:
     sized = [r for r in runs.values() if r.kv[1] is not None and r.kv[0]]
     assert len(sized) >= 16
     for r in sized:
-        band = kv_band_bytes(r.weights[0], r.profile[0], r.cuda_graph[0])
+        band = kv_band_bytes(r.weights[0], r.profile[0], r.cuda_graph[0], kimi_k3=not r.name.startswith(OTHER_FAMILIES))
         assert r.kv[0] - band <= r.kv[1], (r.name, r.kv, band)
         if r.role == "validation":
             # The unsafe side (the plan's pool above vLLM's) within 3.5 %; the safe side within 4 % (r49-s0-b2048-s512,
@@ -241,9 +245,9 @@ def test_estimates_are_pinned_to_the_h200_measurements(runs) -> None:
     assert abs(r.profile[0] - r.profile[1]) <= 0.3 * GiB  # activation + non-torch in the profile: 2.16 GiB
     llama = runs["llama-3.1-8b-tp1"]
     assert abs(llama.cuda_graph[0] - llama.cuda_graph[1]) <= 0.05 * GiB
-    # Not fitted on: 0.97 vs 1.39 GiB (the Kimi-K3 fit's non-torch and sampler factor; 1.04 before the forward's peak
-    # was read from vLLM's code and NON_TORCH_TP1 refitted to 0.34 GiB), inside the profile band's 0.45 GiB floor.
-    assert abs(llama.profile[0] - llama.profile[1]) <= bands.PROFILE.floor_bytes
+    # Not fitted on: 0.83 vs 1.39 GiB (the Kimi-K3 fit's non-torch and held max_num_seqs x vocab buffers over a generic
+    # forward), inside the other families' profile band (0.6 GiB floor); Kimi-K3's own band is 0.45 GiB.
+    assert abs(llama.profile[0] - llama.profile[1]) <= bands.PROFILE_OTHER_FAMILIES.floor_bytes
 
 
 def test_the_mla_eagle3_draft_meets_vllm_at_full_width_and_on_a_tp8_rank(runs) -> None:
@@ -581,7 +585,8 @@ def test_plan_sizes_the_slice_with_the_mla_eagle3_where_the_gqa_one_is_refused()
 
 def test_rehearse_dry_run_with_the_mla_eagle3_draft(capsys) -> None:
     """No page refusal (the GQA draft's exit 2). With vLLM's defaults (8,192 batched tokens, 256 sequences) and with
-    the matrix job's limits the slice's KDA state blocks run short of 256 sequences; at 64 the plan fits."""
+    the matrix job's limits the slice's KDA state blocks run short of 256 sequences (at the job's limits by less than
+    the measured bands, so "at risk"); at 64 the plan fits."""
     flags = ["rehearse", "--model", "moonshotai/Kimi-K3", "--layers", "8", "--speculative-config",
              '{"method":"eagle3","model":"kimi-k3-eagle3-mla","num_speculative_tokens":3}', "--dry-run", "--json"]
     assert main(flags) == 0
@@ -590,7 +595,7 @@ def test_rehearse_dry_run_with_the_mla_eagle3_draft(capsys) -> None:
     assert out["engine_kwargs"]["speculative_config"]["method"] == "eagle3"
     assert main([*flags, "--max-num-batched-tokens", "2048", "--max-num-seqs", "256", "--gpu-memory-utilization", "0.92",
                  "--max-model-len", "8192"]) == 0
-    assert json.loads(capsys.readouterr().out)["plan"]["verdict"] == "seqs_over_state_blocks"
+    assert json.loads(capsys.readouterr().out)["plan"]["verdict"] == "at_risk"
     assert main([*flags, "--max-num-batched-tokens", "2048", "--max-num-seqs", "64", "--gpu-memory-utilization", "0.92",
                  "--max-model-len", "8192"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["verdict"] == "fits"
@@ -679,13 +684,14 @@ def test_the_fitted_memory_constants_are_the_fit_of_their_fit_runs_alone() -> No
 def test_each_band_covers_its_terms_errors_on_every_validation_run(runs) -> None:
     """planning/bands.py: each estimated term's band is at least the largest error in the unsafe direction (the plan
     below vLLM) that a validation run showed for that term; a fit run's residual does not count."""
-    from kimi_k3_serve.planning.bands import CUDA_GRAPHS, PROFILE, WEIGHTS
+    from kimi_k3_serve.planning.bands import CUDA_GRAPHS, PROFILE, PROFILE_OTHER_FAMILIES, WEIGHTS
 
     checked = 0
     for r in runs.values():
         if r.role != "validation":
             continue
-        for band, (plan, measured) in ((WEIGHTS, r.weights), (PROFILE, r.profile), (CUDA_GRAPHS, r.cuda_graph)):
+        profile = PROFILE_OTHER_FAMILIES if r.name.startswith(OTHER_FAMILIES) else PROFILE
+        for band, (plan, measured) in ((WEIGHTS, r.weights), (profile, r.profile), (CUDA_GRAPHS, r.cuda_graph)):
             if plan and measured:
                 assert measured - plan <= band.of(plan), (r.name, band.name, plan, measured)
                 checked += 1

@@ -37,15 +37,23 @@ PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
                "round 5: the TP8 rank slices' profiles within 0.1 GiB, r49-s0-b12288-s128-u090 exact); the band stays "
                "max(0.45 GiB, 7 %), which also covers the group's worst leave-one-out error "
                "(k8-tp1-b8192-s512-nodraft, -0.38 GiB)")
+PROFILE_OTHER_FAMILIES = Band("profile_non_kv", 0.07, int(0.6 * GiB),
+                              "llama-3.1-8b-tp1 (2026-11-30): 0.83 GiB planned, 1.39 GiB profiled (-0.56 GiB) once the "
+                              "max_num_seqs x vocab buffers were fitted as held (2026-12-02, eighth session): a model "
+                              "other than Kimi-K3 has a generic forward (6 hidden-size copies per token), not one read "
+                              "from vLLM's code, so its profile keeps a wider floor")
+"""The profile band of a model whose forward is the generic estimate (every family but Kimi-K3's)."""
 CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "k8-tp1-serve-defaults-dspark (2026-11-30): 3.65 / 3.82 GiB (-0.17 GiB), the worst validation error "
                    "in the unsafe direction once round 2's fit runs were replayed at the 15 sequences they ran with "
                    "(2026-12-02, round 5: the CUDA-graph constants refitted); then b200-r43-s1-dspark's 1.68 / 1.81 GiB "
                    "(-0.13 GiB) and llama-3.1-8b-tp1-b16384-s1024's 0.78 / 0.92 GiB (-0.14 GiB); one shape's spread "
                    "between two engine starts is 0.08 GiB (r44-s1-dspark 1.27, r44-s1-dspark-u0995 1.19)")
-BANDS = (WEIGHTS, PROFILE, CUDA_GRAPHS)
+BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 
-def kv_band_bytes(weights_bytes: int, profile_bytes: int, cuda_graph_bytes: int) -> int:
-    """What a rank's KV pool loses with every band against it: each cost at the top of its band."""
-    return WEIGHTS.of(weights_bytes) + PROFILE.of(profile_bytes) + CUDA_GRAPHS.of(cuda_graph_bytes)
+def kv_band_bytes(weights_bytes: int, profile_bytes: int, cuda_graph_bytes: int, kimi_k3: bool = True) -> int:
+    """What a rank's KV pool loses with every band against it: each cost at the top of its band (``kimi_k3``: the
+    profile's forward is read from vLLM's Kimi-K3 code, else ``PROFILE_OTHER_FAMILIES``)."""
+    profile = PROFILE if kimi_k3 else PROFILE_OTHER_FAMILIES
+    return WEIGHTS.of(weights_bytes) + profile.of(profile_bytes) + CUDA_GRAPHS.of(cuda_graph_bytes)

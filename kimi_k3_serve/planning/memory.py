@@ -40,7 +40,7 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(352.27 * MiB)
+NON_TORCH_TP1 = int(420.33 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
 """Post-snapshot memory the profile sees besides weights and activations. TP1: 0.34 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
@@ -61,21 +61,27 @@ fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 
 with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens; H200, 2026-11-30
 to 2026-12-02;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 2.54
-"""A fitted factor of fp32 ``max_num_seqs x vocab`` tensors added to the forward's peak (with ``NON_TORCH_TP1`` on
-``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds is otherwise: the dummy sampler run stays
-under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``: no fp32 copy in the dummy batch), and what
-grows with ``max_num_seqs`` is persistent, made after the weights and counted as non-torch: the penalties'
-``output_bin_counts`` (int32, ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py),
-1.06 fp32 copies without a draft, 1.28 with DSpark. The recorded rank slices fit that split within 0.2 GiB (this
-factor: 0.67 GiB over on r44-s1-dspark-u080-b16384-s256); the full-width slices keep a transient of 0.8-1.0 GiB it
-does not explain, so the factor stays until runs of ``ranks-round6`` (scripts/gpu/matrix.py) settle it."""
-DSPARK_PROFILE_LOGITS_COPIES = 0.66
+SAMPLER_FP32_VOCAB_COPIES = 0.89
+"""A fitted factor of fp32 ``max_num_seqs x vocab`` tensors held through the last stage's whole profile run, under
+either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds there:
+the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what grows
+with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
+``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py), 1.06 fp32 copies by the code's
+shapes; the fit says 0.89 (until 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA layer's
+own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
+DSPARK_PROFILE_LOGITS_COPIES = 1.18
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
 positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_steps`` rows). A factor of those bf16
 ``rows x vocab`` tensors, fitted with ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS``."""
+DRAFT_HIDDEN_COPIES = {"dspark": 4.50, "default": 6}
+"""Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
+stage's profile after the target's forward (with the draft logits, ``DSPARK_PROFILE_LOGITS_COPIES``). DSpark's is
+fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was); its fit runs at other token budgets than 8,192
+are full-width slices, and the TP8 rank slices with DSpark at 12,288 and 16,384 tokens show less (their profiles
++0.2 to +0.45 GiB, the safe side). The default (EAGLE3, whose MLA step is taken apart,
+``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.76 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
@@ -465,8 +471,8 @@ def estimate_memory(
                                       "load window per MoE layer; +-10%"))
         estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
-                                  "post-snapshot non-torch: 0.45 GiB TP1 and TP2 (fitted, H200 2026-11-30), 2.1 GiB TP>2 "
-                                  "(llm-d, H100)" + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
+                                  f"post-snapshot non-torch: {NON_TORCH_TP1 / GiB:.2f} GiB TP1 and TP2 (fitted, H200 "
+                                  "2026-11-30 to 2026-12-02), 2.1 GiB TP>2 (llm-d, H100)" + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 
@@ -484,7 +490,8 @@ def estimate_memory(
                             ranks_per_engine=layout.tp * layout.pp, max_model_len=engine.max_model_len, dcp=layout.dcp)
     # The same pools with every estimated term at the top of its measured band (planning/bands.py).
     bands = [kv_band_bytes(c.weights_bytes + c.draft_bytes, c.activation_bytes + c.non_torch_bytes + c.workspace_bytes,
-                           c.cuda_graph_bytes) for c in (stage_costs[rank_stage[r]] for r in range(world))]
+                           c.cuda_graph_bytes, model.family == "kimi_k3")
+             for c in (stage_costs[rank_stage[r]] for r in range(world))]
     banded = pools_per_engine(grouping, [local[rank_stage[r]] for r in range(world)],
                               [a - b for a, b in zip(avail, bands)], ranks_per_engine=layout.tp * layout.pp,
                               max_model_len=engine.max_model_len, dcp=layout.dcp)
@@ -522,6 +529,16 @@ def estimate_memory(
         notes.append(f"at risk: it fits at the plan's point estimates, not with their measured error bands against it "
                      f"(up to {max(bands) / GiB:.2f} GiB of KV pool per GPU: weights, profile and CUDA graphs at the top "
                      f"of the errors their validation runs showed); vLLM may refuse or OOM")
+    elif verdict == "seqs_over_state_blocks" and max(bands) and min(pool.bytes_per_block):
+        # The boundary is a count of blocks, which a fraction of a percent of the pool moves (vLLM made 513 blocks for
+        # 512 sequences on k8-tp1-b8192-s512-nodraft): short by less than the bands, it may as well fit.
+        short = (seqs - pool.num_blocks) * max(pool.bytes_per_block)
+        if short <= max(bands):
+            verdict = "at_risk"
+            notes.append(f"at risk: {pool.num_blocks} KV blocks at the plan's point estimates for max_num_seqs={seqs} "
+                         f"(each decoding sequence holds a state block), {short / GiB:.2f} GiB short, within the "
+                         f"{max(bands) / GiB:.2f} GiB its measured error bands allow either way; vLLM may refuse "
+                         f"(max_num_seqs > num_blocks) or start")
     fits = verdict == "fits"
     if verdict == "seqs_over_state_blocks":
         notes.append(
@@ -870,29 +887,34 @@ def _padded_state(spec: StatePageSpec, attn_page: int) -> StatePageSpec:
 def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, end: int, mnbt: int, seqs: int,
                 draft: ModelInventory | None, draft_tp: int = 1, max_model_len: int = 0,
                 block_size: int = 0, num_spec: int = 0) -> tuple[int, int, str]:
-    """Peak transient memory of vLLM's profile run: one forward at ``max_num_batched_tokens`` tokens, then, on the
-    last stage, the sampler at ``max_num_seqs`` requests while the forward's output is still held (the two add up).
-    An MLA EAGLE3 draft's own step can set the peak instead (``eagle3_mla_profile_bytes``): the larger is taken."""
+    """Peak memory of vLLM's profile run besides weights: the larger of a MoE layer's forward at
+    ``max_num_batched_tokens`` (then, on the last stage, the draft's step on top of the forward's output) and a KDA
+    layer's forward (``kda_forward_peak_bytes_per_token``), plus, on the last stage, what grows with ``max_num_seqs``
+    and is held throughout (``SAMPLER_FP32_VOCAB_COPIES``). An MLA EAGLE3 draft's own step can set the peak instead
+    (``eagle3_mla_profile_bytes``): the larger is taken."""
     # With DP x EP, vLLM 0.32's default all2all (AgRsAll2AllManager, distributed/device_communicators/all2all.py;
     # MoEPrepareAndFinalizeNaiveDPEPModular, fused_moe/prepare_finalize/naive_dp_ep.py) all-gathers every DP rank's
     # tokens before the experts, so each rank's MoE runs on dp x the batch in the profile run.
     gathered = layout.dp if layout.ep and layout.dp > 1 else 1
     fwd = _forward_activation(model, layout, mnbt, start, end, moe_tokens=mnbt * gathered)
     basis = f"forward at max_num_batched_tokens={mnbt}" + (f" (experts on the {gathered} DP ranks' tokens)" if gathered > 1 else "")
-    peak = fwd
+    peak, held, held_basis = fwd, 0, ""
     if stage == layout.pp - 1:
         if draft is not None:
-            peak += mnbt * draft.hidden_size * 2 * 6
-        peak += int(seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES)
-        basis += f" + sampler at max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES:g} fp32 copies, fitted)"
+            copies = DRAFT_HIDDEN_COPIES.get(draft.family, DRAFT_HIDDEN_COPIES["default"])
+            peak += int(mnbt * draft.hidden_size * 2 * copies)
+            basis += f" + the draft's hidden states, {copies:g} copies of max_num_batched_tokens x {draft.hidden_size}"
+        # Held through the whole profile run, under either peak: the buffers that grow with max_num_seqs x vocab.
+        held = int(seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES)
+        held_basis = f" + max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES:g} fp32 copies, fitted)"
         if draft is not None and draft.family == "dspark" and num_spec:
             rows = dspark_profile_logit_rows(mnbt, seqs, num_spec)
             peak += int(rows * draft.vocab_size * 2 * DSPARK_PROFILE_LOGITS_COPIES)
             basis += (f" + DSpark's draft logits in the profile run, {rows:,} rows x vocab {draft.vocab_size} "
                       f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted)")
         if draft is not None and draft.draft is not None and draft.draft.generic_mla is not None:
-            held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len, block_size,
-                                                       layout.dcp)
+            step_held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len,
+                                                            block_size, layout.dcp)
             # The MoE buffers of the shared workspace, grown in the target's forward, are still held (never freed).
             w = model.widths
             moe = 0
@@ -900,12 +922,27 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                 inter = w.moe_intermediate_size if layout.ep else max(w.moe_intermediate_size // layout.tp,
                                                                       model.expert_min_intermediate_per_rank)
                 moe = moe_buffer_bytes(mnbt * gathered, w.experts_per_token, inter, w.moe_hidden_size)
-            step = moe + held + simulated
+            step = moe + step_held + simulated
             basis += (f"; or the draft's step, if larger ({step / GiB:.2f} GiB): MoE buffers {moe / GiB:.2f} + "
-                      f"{held / GiB:.2f} held + its MLA's profile-run stand-in for the chunked-context kv_b_proj "
+                      f"{step_held / GiB:.2f} held + its MLA's profile-run stand-in for the chunked-context kv_b_proj "
                       f"output {simulated / GiB:.2f} (exact shapes, vLLM mla_attention.py forward_impl)")
             peak = max(peak, step)
-    return peak, max(peak // 4, 256 * MiB), basis + "; +-25% (H200 residuals <= 0.3 GiB)"
+    kda = mnbt * kda_forward_peak_bytes_per_token(model, layout, start, end)
+    if kda:
+        # A KDA layer's own forward peaks apart from the MoE layer's, and before the last stage's sampler and draft
+        # steps, which run once the forward's temporaries are freed: the larger of the two peaks is the profile's.
+        # The MoE workspace is held there only once a MoE layer of the stage has run before a KDA layer (a stage
+        # whose KDA layers all come first, such as stage 0 of a PP2 slice, has not grown it yet).
+        moe_before_kda = any(model.layers[i].mlp == "moe" and any(isinstance(model.layers[j].kv, KdaState)
+                                                                  for j in range(i + 1, end)) for i in range(start, end))
+        workspace = fwd - mnbt * kimi_forward_peak_bytes_per_token(model, start, end)
+        kda_peak = kda + (workspace if moe_before_kda else 0)
+        if kda_peak > peak:
+            basis = (f"a KDA layer's forward at max_num_batched_tokens={mnbt} ({kda // mnbt:,} B per token, exact "
+                     f"shapes, vLLM models/kimi_k3/nvidia/kda.py) over the MoE layers' peak and what follows it ({basis})")
+            peak = kda_peak
+    peak += held
+    return peak, max(peak // 4, 256 * MiB), basis + held_basis + "; +-25% (H200 residuals <= 0.3 GiB)"
 
 
 def dspark_profile_logit_rows(mnbt: int, seqs: int, num_spec: int) -> int:
@@ -1001,6 +1038,24 @@ def kimi_forward_peak_bytes_per_token(model: ModelInventory, start: int, end: in
     opens_block_in_moe = any(i % block == 0 and model.layers[i].mlp == "moe" for i in range(start, end))
     residual_side = cdiv(end, block) + 3 + opens_block_in_moe
     return b * (w.hidden_size * (residual_side + 3) + 2 * w.moe_hidden_size) + 4 * w.num_experts
+
+
+def kda_forward_peak_bytes_per_token(model: ModelInventory, layout: Layout, start: int, end: int) -> int:
+    """Bytes per token held at the peak of a KDA layer's forward in vLLM 0.32's profile run, besides the MoE workspace
+    (grown by an earlier MoE layer and never freed): 0 when the stage has no KDA layer. With no attention metadata
+    the kernels return at once (``_forward``), but ``forward`` still makes its projections
+    (models/kimi_k3/nvidia/kda.py): ``in_proj_qkvgfab``'s output (q, k, v and the output gate, then ``f_a`` and
+    beta: 4 x heads x head_dim + head_dim + heads), ``f_b_proj``'s gate (heads x head_dim), ``core_attn_out``
+    (heads x head_dim) and ``o_proj``'s output, all held together at ``o_proj``; beside them the residual side of a
+    layer that opens no block. At full width (96 heads) that is more than a MoE layer's tail, at a TP8 rank (12) less."""
+    kda = next((model.layers[i].kv for i in range(start, end) if isinstance(model.layers[i].kv, KdaState)), None)
+    if kda is None or not model.attn_res_block_size:
+        return 0
+    b = DTYPE_BITS[model.dtype] // 8
+    heads = max(1, kda.num_heads // layout.tp)
+    projection = heads * kda.head_dim
+    residual_side = cdiv(end, model.attn_res_block_size) + 3
+    return b * (model.widths.hidden_size * (residual_side + 1) + 6 * projection + kda.head_dim + heads)
 
 
 def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
