@@ -140,7 +140,8 @@ def design(group: Group = GROUPS[0], run_dirs: list[Path] | None = None,
     n = len(group.constants)
     base = tuple(around) if around is not None else tuple(_get(name, key) for name, key in group.constants)
     at = _estimates(group, run_dirs, base)
-    steps = [_unit(group, i) * PROBE_STEP for i in range(n)]
+    steps = [_unit(group, i) * PROBE_STEP if i in group.integer_scale else round(_unit(group, i) * PROBE_STEP)
+             for i in range(n)]  # whole bytes: a byte constant is set as an int
     moved = [_estimates(group, run_dirs, tuple(v + steps[i] if i == j else v for j, v in enumerate(base)))
              for i in range(n)]
     rows = []

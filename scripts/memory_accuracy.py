@@ -56,6 +56,8 @@ FIT_RUNS = {
     "r31-s2-pp3-dspark": "DSpark's per-layer CUDA-graph cost (31 layers)",
     "r49-s0-b16384-s16": "sampler copies, TP1 non-torch (stage 0's rank at 16,384 tokens)",
     "r31-s1-pp3-b16384": "sampler copies, TP1 non-torch (a 31-layer rank at 16,384 tokens)",
+    "k4-tp1-b8192-s16-nodraft": "the profile group (a full-width slice without a draft at 16 sequences: the KDA "
+                                "layer's peak with almost nothing held beside it)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark",

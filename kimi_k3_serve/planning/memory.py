@@ -40,7 +40,7 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(420.33 * MiB)
+NON_TORCH_TP1 = int(406.52 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
 """Post-snapshot memory the profile sees besides weights and activations. TP1: 0.34 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
@@ -55,19 +55,19 @@ TP > 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory
 PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k4-tp1-llm-defaults-b16384-s1024",
                     "k8-tp1-b8192-s512-nodraft", "k4-tp1-b8192-s1024-nodraft", "k6-tp1-b8192-s768-dspark-u080",
                     "rehearse-tp2", "r11-s7-pp8-dspark", "r23-s0-pp4", "r31-s1-pp3", "r23-s3-pp4-dspark",
-                    "r31-s2-pp3-dspark", "r49-s0-b16384-s16", "r31-s1-pp3-b16384")
+                    "r31-s2-pp3-dspark", "r49-s0-b16384-s16", "r31-s1-pp3-b16384", "k4-tp1-b8192-s16-nodraft")
 """The fit runs the profile group (``NON_TORCH_TP1``, ``SAMPLER_FP32_VOCAB_COPIES``, ``DSPARK_PROFILE_LOGITS_COPIES``) is
 fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 to 8 layers at 256 to 1024 sequences,
 with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens; H200, 2026-11-30
 to 2026-12-02;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 0.89
+SAMPLER_FP32_VOCAB_COPIES = 0.92
 """A fitted factor of fp32 ``max_num_seqs x vocab`` tensors held through the last stage's whole profile run, under
 either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds there:
 the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what grows
 with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
 ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py), 1.06 fp32 copies by the code's
-shapes; the fit says 0.89 (until 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA layer's
+shapes; the fit says 0.92 (until 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA layer's
 own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
 DSPARK_PROFILE_LOGITS_COPIES = 1.18
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
@@ -75,7 +75,7 @@ model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_att
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
 positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_steps`` rows). A factor of those bf16
 ``rows x vocab`` tensors, fitted with ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS``."""
-DRAFT_HIDDEN_COPIES = {"dspark": 4.50, "default": 6}
+DRAFT_HIDDEN_COPIES = {"dspark": 4.61, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
 stage's profile after the target's forward (with the draft logits, ``DSPARK_PROFILE_LOGITS_COPIES``). DSpark's is
 fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was); its fit runs at other token budgets than 8,192

@@ -213,6 +213,15 @@ SETS: dict[str, list[Job]] = {
         rank("r44-s1-dspark-b8192-s192", 1, role="validation", seqs=192, expected_s=240),
         rank("r49-s0-b4096-s256", 0, role="validation", tokens=4096, seqs=256, expected_s=220),
     ],
+    # Round 7 (roles fixed 2026-12-02, eighth session, before they run): the DSpark step's growth with the token
+    # budget at a TP8 rank's shapes. Its fit runs away from 8,192 tokens are full-width slices (DRAFT_HIDDEN_COPIES
+    # 4.61), and the ranks with DSpark at 12,288 and 16,384 tokens profile 0.2-0.45 GiB under the plan. Stage 1's
+    # rank at 16,384 tokens and 16 sequences fits it; two ranks between the recorded budgets score it.
+    "ranks-round7": [
+        rank("r44-s1-dspark-b16384-s16", 1, role="fit", tokens=16384, seqs=16, expected_s=240),
+        rank("r44-s1-dspark-b4096-s512", 1, role="validation", tokens=4096, seqs=512, expected_s=240),
+        rank("r31-s2-pp3-dspark-b12288-s64", 2, role="validation", pp=3, tokens=12288, seqs=64, expected_s=200),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
