@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         "on one run is badly predicted without it. Since round 4 (2026-12-02) every CUDA-graph term has at least two "
         "fit runs (three deep DSpark stages of 11, 23 and 31 layers; two runs without a draft at full width and two "
         "on TP8 ranks), and the profile group is fitted on every Kimi-K3 fit run: its worst leave-one-out is the "
-        "1024-sequence run without a draft (+14 %). The validation runs "
+        "TP2 run (-8 %; +14 % on the 1024-sequence run without a draft before the KDA layer's own peak was modelled, "
+        "2026-12-02). The validation runs "
         "set nothing; their worst errors in the unsafe direction set the bands. FlashKDA's scratch share "
         "(`FLASHKDA_SCRATCH_FRACTION`) was read from the one run where FlashKDA alone grew vLLM's workspace: no "
         "leave-one-out exists for it.", "",
