@@ -19,6 +19,7 @@
 #                  (the NCCL tests include the fabric measurement: bus bandwidth and socket detection, 2 GPUs)
 #                  (KIMI_K3_SERVE_GPU_TESTS="EXPR" runs the tests that pytest -k EXPR selects instead, in either tests phase)
 #   bench          serving speed, bare vLLM vs our Serve path (scripts/bench_serving.py --preset $KIMI_K3_SERVE_BENCH, default h200-llama-8b) -> $OUT/bench.tar.gz
+#                  (KIMI_K3_SERVE_BENCH_SIDES="vllm direct+key" runs only those of the preset's sides)
 #   all            every phase in turn (a host without the 10-minute limit)
 # Each phase writes $OUT/<phase>.log and $OUT/<phase>.tar.gz (logs, readings, results), and $OUT/host.json once.
 # Work folders: $KIMI_K3_SERVE_GPU_RUNS (default /var/tmp/kk3-runs), models: $KIMI_K3_SERVE_MODEL_CACHE (/var/tmp/kk3-models).
@@ -119,7 +120,9 @@ run_phase() {
         --junitxml="$KIMI_K3_SERVE_GPU_OUT/junit.xml" 2>&1 | tee "$KIMI_K3_SERVE_GPU_OUT/pytest.log" | tail -80
       pack "$KIMI_K3_SERVE_GPU_OUT" ;;
     bench)  # packed and removed: a device call returns 8 files at most, and names with '+' or '@' not at all
-      python3 scripts/bench_serving.py --preset "${KIMI_K3_SERVE_BENCH:-h200-llama-8b}" --deadline "$(( $(left) - 20 ))" --out "$out/bench"
+      # KIMI_K3_SERVE_BENCH_SIDES="vllm direct+key" measures only those sides of the preset (a call is 10 minutes)
+      python3 scripts/bench_serving.py --preset "${KIMI_K3_SERVE_BENCH:-h200-llama-8b}" --deadline "$(( $(left) - 20 ))" \
+        ${KIMI_K3_SERVE_BENCH_SIDES:+--sides $KIMI_K3_SERVE_BENCH_SIDES} --out "$out/bench"
       pack "$out/bench" && [ -f "$out/$phase.tar.gz" ] && rm -rf "$out/bench" ;;
     *) echo "unknown phase $1"; return 2 ;;
   esac
