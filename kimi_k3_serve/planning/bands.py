@@ -35,9 +35,9 @@ PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
                "serve-one-gpu (2026-11-30): 4.47 GiB planned, 4.73 GiB profiled (-0.26 GiB, -5.6 %), the worst Kimi-K3 "
                "validation error in the unsafe direction since the forward's peak is read from vLLM's code (2026-12-02, "
                "round 5: the TP8 rank slices' profiles within 0.1 GiB, r49-s0-b12288-s128-u090 exact; eighth session: "
-               "-0.25 GiB with the KDA layer's peak and the held buffers, the worst still); the band stays "
-               "max(0.45 GiB, 7 %), which also covers the group's worst leave-one-out error "
-               "(rehearse-tp2, -0.33 GiB)")
+               "-0.25 GiB with the KDA layer's peak and the held buffers; 2026-12-03: -0.26 GiB with DSpark's step as "
+               "a peak of its own, the worst still); the band stays max(0.45 GiB, 7 %), which also covers the "
+               "group's worst leave-one-out error (rehearse-tp2, -0.42 GiB)")
 PROFILE_OTHER_FAMILIES = Band("profile_non_kv", 0.07, int(0.6 * GiB),
                               "llama-3.1-8b-tp1 (2026-11-30): 0.83 GiB planned, 1.39 GiB profiled (-0.56 GiB) once the "
                               "max_num_seqs x vocab buffers were fitted as held (2026-12-02, eighth session): a model "

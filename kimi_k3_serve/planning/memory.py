@@ -40,11 +40,11 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(406.52 * MiB)
+NON_TORCH_TP1 = int(383.49 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.34 GiB, fitted with
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.37 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
-scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-02; leave-one-out in docs/memory-accuracy.md; the
+scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-03; leave-one-out in docs/memory-accuracy.md; the
 llm-d v0.19 H100 sweep had 0.25 GiB).
 TP2 (one node): ``NON_TORCH_TP1`` too, looked up when a plan is made (an alias bound at import kept the fitter's
 probes from reaching the TP2 fit run). vLLM's own split of the TP2 rehearsal (2 x H200,
@@ -55,32 +55,36 @@ TP > 2: ~2.1 GiB (custom all-reduce buffers), the llm-d H100 figure (vllm-memory
 PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k4-tp1-llm-defaults-b16384-s1024",
                     "k8-tp1-b8192-s512-nodraft", "k4-tp1-b8192-s1024-nodraft", "k6-tp1-b8192-s768-dspark-u080",
                     "rehearse-tp2", "r11-s7-pp8-dspark", "r23-s0-pp4", "r31-s1-pp3", "r23-s3-pp4-dspark",
-                    "r31-s2-pp3-dspark", "r49-s0-b16384-s16", "r31-s1-pp3-b16384", "k4-tp1-b8192-s16-nodraft")
+                    "r31-s2-pp3-dspark", "r49-s0-b16384-s16", "r31-s1-pp3-b16384", "k4-tp1-b8192-s16-nodraft",
+                    "r44-s1-dspark-b16384-s16")
 """The fit runs the profile group (``NON_TORCH_TP1``, ``SAMPLER_FP32_VOCAB_COPIES``, ``DSPARK_PROFILE_LOGITS_COPIES``) is
 fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 to 8 layers at 256 to 1024 sequences,
-with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens; H200, 2026-11-30
-to 2026-12-02;
+with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens, stage 1's rank with
+DSpark at 16,384 among them; H200, 2026-11-30 to 2026-12-03;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 0.92
+SAMPLER_FP32_VOCAB_COPIES = 1.10
 """A fitted factor of fp32 ``max_num_seqs x vocab`` tensors held through the last stage's whole profile run, under
 either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds there:
 the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what grows
 with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
 ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py), 1.06 fp32 copies by the code's
-shapes; the fit says 0.92 (until 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA layer's
-own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
-DSPARK_PROFILE_LOGITS_COPIES = 1.18
+shapes; the fit says 1.10 (0.92 while DSpark's draft logits were added to the forward's peak; until 2026-12-02 it was
+added to the forward's peak as 2.54 copies, which the KDA layer's own peak, ``kda_forward_peak_bytes_per_token``, now
+explains on the full-width slices)."""
+DSPARK_PROFILE_LOGITS_COPIES = 1.65
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
 positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_steps`` rows). A factor of those bf16
-``rows x vocab`` tensors, fitted with ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS``."""
-DRAFT_HIDDEN_COPIES = {"dspark": 4.61, "default": 6}
+``rows x vocab`` tensors, fitted with ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS``.
+``propose`` runs after the target's forward has returned, so these logits peak beside what the forward leaves held
+(the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's (2026-12-03;
+1.18 copies while they were added on top, which put stage 1's rank at 16,384 tokens and 256 sequences 0.46 GiB over)."""
+DRAFT_HIDDEN_COPIES = {"dspark": 5.58, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
-stage's profile after the target's forward (with the draft logits, ``DSPARK_PROFILE_LOGITS_COPIES``). DSpark's is
-fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was); its fit runs at other token budgets than 8,192
-are full-width slices, and the TP8 rank slices with DSpark at 12,288 and 16,384 tokens show less (their profiles
-+0.2 to +0.45 GiB, the safe side). The default (EAGLE3, whose MLA step is taken apart,
+stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
+``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 4.61 while the draft logits were added on top of the
+forward's peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart,
 ``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.76 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
@@ -898,30 +902,31 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
     gathered = layout.dp if layout.ep and layout.dp > 1 else 1
     fwd = _forward_activation(model, layout, mnbt, start, end, moe_tokens=mnbt * gathered)
     basis = f"forward at max_num_batched_tokens={mnbt}" + (f" (experts on the {gathered} DP ranks' tokens)" if gathered > 1 else "")
-    peak, held, held_basis = fwd, 0, ""
+    peak, held, held_basis, hidden = fwd, 0, "", 0
     if stage == layout.pp - 1:
         if draft is not None:
             copies = DRAFT_HIDDEN_COPIES.get(draft.family, DRAFT_HIDDEN_COPIES["default"])
-            peak += int(mnbt * draft.hidden_size * 2 * copies)
+            hidden = int(mnbt * draft.hidden_size * 2 * copies)
+            peak += hidden
             basis += f" + the draft's hidden states, {copies:g} copies of max_num_batched_tokens x {draft.hidden_size}"
         # Held through the whole profile run, under either peak: the buffers that grow with max_num_seqs x vocab.
         held = int(seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES)
         held_basis = f" + max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES:g} fp32 copies, fitted)"
         if draft is not None and draft.family == "dspark" and num_spec:
+            # DSpark's propose runs once the target's forward has returned and its temporaries are freed: its draft
+            # logits peak beside what is still held (the MoE workspace, never freed, and the target's hidden states),
+            # not on top of the forward's own peak. The larger of the two is the profile's.
             rows = dspark_profile_logit_rows(mnbt, seqs, num_spec)
-            peak += int(rows * draft.vocab_size * 2 * DSPARK_PROFILE_LOGITS_COPIES)
-            basis += (f" + DSpark's draft logits in the profile run, {rows:,} rows x vocab {draft.vocab_size} "
+            logits = int(rows * draft.vocab_size * 2 * DSPARK_PROFILE_LOGITS_COPIES)
+            step = _moe_workspace_held(model, layout, start, end, mnbt * gathered) + hidden + logits
+            basis += (f"; or DSpark's step, if larger ({step / GiB:.2f} GiB): the MoE workspace and the hidden states "
+                      f"held + its draft logits, {rows:,} rows x vocab {draft.vocab_size} "
                       f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted)")
+            peak = max(peak, step)
         if draft is not None and draft.draft is not None and draft.draft.generic_mla is not None:
             step_held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len,
                                                             block_size, layout.dcp)
-            # The MoE buffers of the shared workspace, grown in the target's forward, are still held (never freed).
-            w = model.widths
-            moe = 0
-            if w.num_experts and any(model.layers[i].mlp == "moe" for i in range(start, end)):
-                inter = w.moe_intermediate_size if layout.ep else max(w.moe_intermediate_size // layout.tp,
-                                                                      model.expert_min_intermediate_per_rank)
-                moe = moe_buffer_bytes(mnbt * gathered, w.experts_per_token, inter, w.moe_hidden_size)
+            moe = _moe_workspace_held(model, layout, start, end, mnbt * gathered)
             step = moe + step_held + simulated
             basis += (f"; or the draft's step, if larger ({step / GiB:.2f} GiB): MoE buffers {moe / GiB:.2f} + "
                       f"{step_held / GiB:.2f} held + its MLA's profile-run stand-in for the chunked-context kv_b_proj "
@@ -943,6 +948,17 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             peak = kda_peak
     peak += held
     return peak, max(peak // 4, 256 * MiB), basis + held_basis + "; +-25% (H200 residuals <= 0.3 GiB)"
+
+
+def _moe_workspace_held(model: ModelInventory, layout: Layout, start: int, end: int, moe_tokens: int) -> int:
+    """The MoE buffers of vLLM's shared workspace that the target's forward grew: held after it (never freed), under
+    whatever the last stage's draft step allocates."""
+    w = model.widths
+    if not w.num_experts or not any(model.layers[i].mlp == "moe" for i in range(start, end)):
+        return 0
+    inter = w.moe_intermediate_size if layout.ep else max(w.moe_intermediate_size // layout.tp,
+                                                          model.expert_min_intermediate_per_rank)
+    return moe_buffer_bytes(moe_tokens, w.experts_per_token, inter, w.moe_hidden_size)
 
 
 def dspark_profile_logit_rows(mnbt: int, seqs: int, num_spec: int) -> int:

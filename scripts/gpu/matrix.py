@@ -222,6 +222,16 @@ SETS: dict[str, list[Job]] = {
         rank("r44-s1-dspark-b4096-s512", 1, role="validation", tokens=4096, seqs=512, expected_s=240),
         rank("r31-s2-pp3-dspark-b12288-s64", 2, role="validation", pp=3, tokens=12288, seqs=64, expected_s=200),
     ],
+    # Round 8 (roles fixed 2026-12-03, ninth session, before they run): DSpark's step as a peak of its own (its draft
+    # logits beside the MoE workspace and the hidden states, not on top of the forward's peak), chosen after round 7's
+    # runs: two ranks where the step sets the peak (few tokens, many sequences) score it out of sample. The fit run is
+    # for the CUDA-graph group: no fit run of it is a TP8 rank with DSpark and many graph sizes (its validation ranks
+    # at 64 to 512 sequences are 4-13 % over, k8-tp1-serve-defaults-dspark 0.17 GiB under).
+    "ranks-round8": [
+        rank("r44-s1-dspark-b8192-s256", 1, role="fit", seqs=256, expected_s=240),
+        rank("r44-s1-dspark-b2048-s256", 1, role="validation", tokens=2048, seqs=256, expected_s=240),
+        rank("r44-s1-dspark-b8192-s512", 1, role="validation", seqs=512, expected_s=240),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
