@@ -493,6 +493,31 @@ def test_the_recorded_kimi_slice_run_rebuilds_to_what_the_benchmarks_page_says(b
     assert not (H200_KIMI_BENCH / "api-key").exists()
 
 
+H200_KIMI_DIRECT_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-03-h200-kimi-slice-direct"
+
+
+def test_the_recorded_kimi_slice_direct_run_rebuilds_to_what_the_benchmarks_page_says(bench_serving, tmp_path):
+    """The Kimi-K3 slice with DSpark on one H200 under direct streaming with the key, without the LLMRouter peer
+    (2026-12-03, ninth session; docs/benchmarks.md): bare vLLM's throughput, token pace and TTFT at 1 (+0.2 ms) and
+    32; at 8, +10.9 ms TTFT, inside bare vLLM's own spread between its rounds (208.5 to 225.1 ms)."""
+    import shutil
+
+    folder = tmp_path / "bench"
+    shutil.copytree(H200_KIMI_DIRECT_BENCH, folder)
+    assert bench_serving.resummarise(folder, None) == 0
+    goals = {(g["side"], g["concurrency"]): g for g in json.loads((folder / "summary.json").read_text())["goals"]}
+    assert set(goals) == {("direct+key", c) for c in (1, 8, 32)}
+    for concurrency in (1, 8, 32):
+        assert goals[("direct+key", concurrency)]["throughput_ratio"] >= 0.97
+        assert goals[("direct+key", concurrency)]["tpot_met"] and goals[("direct+key", concurrency)]["itl_met"]
+    assert round(goals[("direct+key", 1)]["ttft_p50_overhead_ms"], 1) == 0.2
+    assert round(goals[("direct+key", 8)]["ttft_p50_overhead_ms"], 1) == 10.9
+    vllm_c8 = [json.loads((folder / f"vllm-c8-r{r}.json").read_text())["median_ttft_ms"] for r in range(3)]
+    assert max(vllm_c8) - min(vllm_c8) > 10.9  # bare vLLM's own spread between rounds is larger than the overhead
+    assert (folder / "summary.md").read_text() == (H200_KIMI_DIRECT_BENCH / "summary.md").read_text()
+    assert not (H200_KIMI_DIRECT_BENCH / "api-key").exists()
+
+
 def test_ratios_compare_the_rounds_both_sides_ran(bench_serving):
     """A side with a round bare vLLM lacks (the deadline cut it) is compared on the shared rounds only."""
     Cell = bench_serving.Cell
