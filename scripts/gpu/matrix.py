@@ -232,6 +232,11 @@ SETS: dict[str, list[Job]] = {
         rank("r44-s1-dspark-b2048-s256", 1, role="validation", tokens=2048, seqs=256, expected_s=240),
         rank("r44-s1-dspark-b8192-s512", 1, role="validation", seqs=512, expected_s=240),
     ],
+    # Roles fixed 2026-12-03 (tenth session), after round 8 ran and before these run: validation for the CUDA-graph
+    # group's refit with round 8's fit run (a TP8 rank with DSpark at 128 sequences and 4,096 tokens).
+    "ranks-round9": [
+        rank("r44-s1-dspark-b4096-s128", 1, role="validation", tokens=4096, seqs=128, expected_s=200),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
