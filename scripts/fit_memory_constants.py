@@ -6,7 +6,8 @@ constants, so a group is fitted by non-negative least squares (relative errors) 
 - ``cuda_graph``: vLLM's CUDA-graph estimate (``profile_cudagraph_memory``) is the first capture's activations plus,
   per captured graph, ``per_graph + per_head x the target's heads on the rank``, ``per_layer x local layers`` once,
   and, on the last stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank + draft_per_layer x
-  the stage's layers`` per FULL graph for DSpark. Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
+  the stage's layers`` per DSpark FULL graph (DSpark's own sizes), beside DSpark's capture workspace (the drafter's
+  lane, from vLLM's shapes: not fitted). Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
 - ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations (from
   the shapes), ``NON_TORCH_TP1`` on one GPU, the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32
   ``max_num_seqs x vocab`` tensors and, with DSpark, ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the

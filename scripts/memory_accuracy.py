@@ -58,6 +58,10 @@ FIT_RUNS = {
     "r31-s1-pp3-b16384": "sampler copies, TP1 non-torch (a 31-layer rank at 16,384 tokens)",
     "k4-tp1-b8192-s16-nodraft": "the profile group (a full-width slice without a draft at 16 sequences: the KDA "
                                 "layer's peak with almost nothing held beside it)",
+    "r44-s1-dspark-b16384-s16": "the profile group (stage 1's rank with DSpark at 16,384 tokens and 16 sequences: "
+                                "DSpark's step apart from the target's forward)",
+    "r44-s1-dspark-b8192-s256": "the CUDA-graph group (stage 1's rank with DSpark at 256 sequences: 51 sizes, 48 "
+                                "FULL target graphs and 48 of DSpark's own)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark",
@@ -386,10 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         "`PROFILE_FIT_RUNS`; each a fit run of the matrix), and tests/test_rehearsal.py checks the shipped values are "
         "that fit. Leave-one-out refits a group without each of its fit runs and predicts that run: a term that rests "
         "on one run is badly predicted without it. Since round 4 (2026-12-02) every CUDA-graph term has at least two "
-        "fit runs (three deep DSpark stages of 11, 23 and 31 layers; two runs without a draft at full width and two "
-        "on TP8 ranks), and the profile group is fitted on every Kimi-K3 fit run: its worst leave-one-out is the "
-        "TP2 run (-8 %; +14 % on the 1024-sequence run without a draft before the KDA layer's own peak was modelled, "
-        "2026-12-02). The validation runs "
+        "fit runs (deep DSpark stages of 11, 23, 31 and, since 2026-12-03, 44 layers; two runs without a draft at full "
+        "width and two on TP8 ranks), and the profile group is fitted on every Kimi-K3 fit run: its worst "
+        "leave-one-out is the TP2 run (-10 %; +14 % on the 1024-sequence run without a draft before the KDA layer's "
+        "own peak was modelled, 2026-12-02). The CUDA-graph group's worst leave-one-out is its newest run, stage 1's "
+        "rank at 256 sequences (+13 %, the safe side): no other fit run has DSpark at 48 graphs on a TP8 rank. "
+        "DSpark's capture workspace (the drafter's lane, `planning/workspace.py draft_capture_logits_bytes`) is not "
+        "fitted: vLLM's shapes give each size it logged, to the 2 MiB block. The validation runs "
         "set nothing; their worst errors in the unsafe direction set the bands. FlashKDA's scratch share "
         "(`FLASHKDA_SCRATCH_FRACTION`) was read from the one run where FlashKDA alone grew vLLM's workspace: no "
         "leave-one-out exists for it.", "",

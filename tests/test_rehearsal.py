@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -154,6 +155,28 @@ def test_the_shared_workspace_is_the_size_vllm_logged() -> None:
         768, 8, 96, 512, 8192, (9, 0))
     rank = (day / "r23-s3-pp4-dspark-b16384-s64" / "vllm.log").read_text()
     assert "0.00 MB -> 3584.00 MB" in rank and moe_buffer_bytes(16384, 16, 384, 3584) == 3584 * mib
+
+
+DRAFT_LANE = re.compile(r"Resized workspace from 'triton_mla\.py:\d+:forward_mqa': [0-9.]+ MB -> ([0-9.]+) MB "
+                        r"\(ubatch 0, lane 1\)")
+
+
+def test_dspark_capture_workspace_is_the_lane_vllm_logged() -> None:
+    """While vLLM captures DSpark's graphs to estimate their memory, TRITON_MLA's split-KV logits fill the drafter's
+    workspace lane at the largest graph's rows and full context; the plan charges that lane inside the CUDA-graph
+    estimate. One recorded run per logged size (15, 16, 22, 64 and 71+ requests; 8,192 to 65,536 tokens; 12 and 96
+    heads), to the caching allocator's 2 MiB block."""
+    seen: dict[float, Path] = {}
+    for log in sorted((REPO_ROOT / "tests" / "fixtures" / "gpu").glob("*/*/vllm.log")):
+        for m in DRAFT_LANE.finditer(log.read_text(errors="replace")):
+            seen.setdefault(float(m.group(1)), log.parent)
+    assert {168.33, 157.81, 462.9, 673.31, 746.96, 1493.91} <= set(seen)
+    for logged_mb, run_dir in seen.items():
+        report, _ = accuracy.predict_run(run_dir)
+        graphs = next(e for e in report.estimates if e.name == "cuda_graph_bytes")
+        planned = re.search(r"DSpark's capture workspace ([0-9,]+) MiB", graphs.basis)
+        assert planned, (run_dir.name, graphs.basis)
+        assert int(planned.group(1).replace(",", "")) == math.ceil(logged_mb / 2) * 2, (run_dir.name, logged_mb)
 
 
 def test_a_near_miss_gives_its_budget_and_cuda_graph_estimate_once_the_total_is_known() -> None:

@@ -36,7 +36,8 @@ PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
                "validation error in the unsafe direction since the forward's peak is read from vLLM's code (2026-12-02, "
                "round 5: the TP8 rank slices' profiles within 0.1 GiB, r49-s0-b12288-s128-u090 exact; eighth session: "
                "-0.25 GiB with the KDA layer's peak and the held buffers; 2026-12-03: -0.26 GiB with DSpark's step as "
-               "a peak of its own, the worst still); the band stays max(0.45 GiB, 7 %), which also covers the "
+               "a peak of its own; tenth session: r44-s1-dspark-b8192-s512, stage 1's rank at 512 sequences, 4.88 / 5.15 GiB, "
+               "-0.27 GiB, -5.2 %, the worst now); the band stays max(0.45 GiB, 7 %), which also covers the "
                "group's worst leave-one-out error (rehearse-tp2, -0.42 GiB)")
 PROFILE_OTHER_FAMILIES = Band("profile_non_kv", 0.07, int(0.6 * GiB),
                               "llama-3.1-8b-tp1 (2026-11-30): 0.83 GiB planned, 1.39 GiB profiled (-0.56 GiB) once the "
@@ -49,7 +50,10 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "in the unsafe direction once round 2's fit runs were replayed at the 15 sequences they ran with "
                    "(2026-12-02, round 5: the CUDA-graph constants refitted); then b200-r43-s1-dspark's 1.68 / 1.81 GiB "
                    "(-0.13 GiB) and llama-3.1-8b-tp1-b16384-s1024's 0.78 / 0.92 GiB (-0.14 GiB); one shape's spread "
-                   "between two engine starts is 0.08 GiB (r44-s1-dspark 1.27, r44-s1-dspark-u0995 1.19)")
+                   "between two engine starts is 0.08 GiB (r44-s1-dspark 1.27, r44-s1-dspark-u0995 1.19). Since "
+                   "DSpark's capture workspace is counted from vLLM's shapes (2026-12-03, tenth session): 3.64 / "
+                   "3.82 GiB (-0.18 GiB) on the same run, then b200-r43-s1-dspark 1.70 / 1.81 (-0.11) and "
+                   "r44-s1-dspark 1.18 / 1.27 (-0.09); the band stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 

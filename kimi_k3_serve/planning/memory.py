@@ -38,7 +38,8 @@ from kimi_k3_serve.units import GiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
 from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
-from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
+from kimi_k3_serve.planning.workspace import (SharedWorkspace, draft_capture_logits_bytes, moe_buffer_bytes,
+                                                triton_mla_logits_bytes)
 
 NON_TORCH_TP1 = int(383.49 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
@@ -86,37 +87,45 @@ stage's profile: held from the target's forward into the draft's step (under bot
 ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 4.61 while the draft logits were added on top of the
 forward's peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart,
 ``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.76 * MiB), "default": 14 * MiB}
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.75 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
 once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.35 * MiB), "default": 0}
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.39 * MiB), "default": 0}
 """What one local decoder layer adds to the estimate, once for the stage, not per graph (fitted with
 ``CUDA_GRAPH_PER_GRAPH``; charged per graph and refitted, it over-predicted r49-s0-b2048-s512 by 164 %)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(15.28 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(17.88 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
-(12 of 96 heads) is not charged a full-width draft's graphs. EAGLE3: none per target graph; its drafter's own graphs
-are counted instead (``eagle3_draft_graphs``), each at the target's per-graph cost (not fitted on an EAGLE3 run)."""
-CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.39 * MiB)}
-CUDA_GRAPH_DRAFT_PER_LAYER = {"dspark": int(0.50 * MiB)}
+(12 of 96 heads) is not charged a full-width draft's graphs. DSpark's graphs are its own FULL graphs (sizes in
+multiples of its N query rows a request), and beside them the plan charges, exactly, the drafter's workspace lane that
+capturing its largest graph fills (``_dspark_capture_lane_bytes``: 170 MiB at 16 sequences, 748 MiB from 71 on, at a
+TP8 rank and 32,768 tokens; twice that at 65,536). Before that lane was counted (2026-12-03) these terms absorbed it:
+15.28 MiB per graph, 0.39 per head and 0.50 per layer, 8 % over on stage 1's TP8 rank at 64 to 512 sequences. EAGLE3:
+none per target graph; its drafter's own graphs are counted instead (``eagle3_draft_graphs``), each at the target's
+per-graph cost (not fitted on an EAGLE3 run)."""
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.07 * MiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER = {"dspark": int(0.10 * MiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it (fitted with
 ``CUDA_GRAPH_PER_GRAPH``). vLLM's estimate charges every FULL graph at the second-largest one's increment
 (``_extrapolate_full_graph_memory``); on the TP8 rank slices with DSpark the estimate grew with depth at the same
-graph counts (11 -> 44 layers: 0.90 -> 1.27 GiB), where without a draft it barely did (23 -> 49 layers: 0.20 -> 0.25)."""
+graph counts (11 -> 44 layers: 0.90 -> 1.27 GiB), where without a draft it barely did (23 -> 49 layers: 0.20 -> 0.25).
+Since the capture lane is counted, the fit puts almost none of that here (0.10 MiB)."""
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark", "k8-tp1-b8192-s512-nodraft",
-                       "r23-s3-pp4-dspark", "r31-s2-pp3-dspark")
+                       "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256")
 """The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
-on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11, 23 and 31 layers, with DSpark and without."""
-CUDA_GRAPH_FITTED_LAYERS = (4, 31)
-"""The stage sizes (layers) the CUDA-graph constants were fitted on; deeper stages are an extrapolation of the
-per-layer term, and the plan says so (the 44- and 49-layer rank slices are validation runs of it)."""
+on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11, 23, 31 and 44 layers, with DSpark and
+without (the 44-layer one, stage 1's rank at 256 sequences, since 2026-12-03)."""
+CUDA_GRAPH_FITTED_LAYERS = (4, 49)
+"""The stage sizes the CUDA-graph constants were fitted on, in local layers with a KV cache (a draft's included, as
+the plan counts them: stage 1's rank with DSpark has 44 + 5); deeper stages are an extrapolation of the per-layer
+term, and the plan says so (the 50-layer rank of the B200 config is a validation run of it)."""
 PRE_SNAPSHOT_CONTEXT = GiB // 2
 PRE_SNAPSHOT_NCCL = GiB
 """CUDA context (~0.5 GiB) and NCCL communicators (~1 GiB at TP >= 2) exist before vLLM's snapshot: they sit
@@ -574,8 +583,8 @@ def estimate_memory(
         notes.append(
             f"CUDA graphs: {deepest.cuda_graph_bytes / GiB:.2f} GiB on rank {deepest.rank} is extrapolated: the "
             f"per-layer term was fitted on stages of {CUDA_GRAPH_FITTED_LAYERS[0]}-{CUDA_GRAPH_FITTED_LAYERS[1]} layers "
-            f"(H200); this stage has {deepest.local_layers}, and its error band is the one the 44- and 49-layer "
-            f"rank slices showed. `kimi-k3-serve rehearse --rank-of` measures it")
+            f"(H200); this stage has {deepest.local_layers}, and its error band is the one the validation "
+            f"runs showed. `kimi-k3-serve rehearse --rank-of` measures it")
     if layout.dcp > 1:
         notes.append(f"DCP {layout.dcp}: MLA tokens are split across ranks (blocks per request use max_model_len / DCP); "
                      "not covered by the conformance tests")
@@ -1085,7 +1094,7 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     # FULL_AND_PIECEWISE (hybrid or MLA models): a PIECEWISE graph per capture size, and a FULL graph per uniform
     # decode batch (v1/worker/gpu/cudagraph_utils.py CudaGraphManager._init_candidates: each size rounded up to a
     # multiple of the decode query length, up to max_num_seqs of them); the drafter's graphs follow the decode batches.
-    num_full = _num_full_decode_graphs(largest, seqs, query_len) if model.is_hybrid or model.uses_mla else 0
+    num_full = len(_uniform_decode_graph_tokens(largest, seqs, query_len)) if model.is_hybrid or model.uses_mla else 0
     graphs = num_sizes + num_full
     shared = _forward_activation(model, layout, largest, start, end)
     family = model.family if model.family in CUDA_GRAPH_PER_GRAPH else "default"
@@ -1097,8 +1106,17 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp)) if spec.draft is not None else 0
         per_draft_graph = (CUDA_GRAPH_DRAFT_PER_GRAPH.get(spec.method, 0) + CUDA_GRAPH_DRAFT_PER_HEAD.get(spec.method, 0) * heads
                            + CUDA_GRAPH_DRAFT_PER_LAYER.get(spec.method, 0) * (end - start))
-        est += num_full * per_draft_graph
-        draft = f" + {num_full} draft graphs x {per_draft_graph / MiB:.1f} MiB" if per_draft_graph else ""
+        num_draft = num_full
+        if spec.method == "dspark":
+            # DSpark's own FULL graphs: N query rows a request (anchor + N-1 noise), not the target's 1 + N
+            # (spec_decode/dspark/speculator.py num_query_per_req; dflash/cudagraph.py), so their own sizes.
+            draft_tokens = _uniform_decode_graph_tokens(largest, seqs, spec.num_speculative_tokens)
+            num_draft = len(draft_tokens)
+            lane = _dspark_capture_lane_bytes(spec, layout, max(draft_tokens, default=0), engine.max_model_len, cc)
+            est += lane
+            draft = f" + DSpark's capture workspace {lane / MiB:,.0f} MiB" if lane else ""
+        est += num_draft * per_draft_graph
+        draft += f" + {num_draft} draft graphs x {per_draft_graph / MiB:.1f} MiB" if per_draft_graph else ""
         if spec.method == "eagle3":
             drafter = eagle3_draft_graphs(largest, seqs, spec.num_speculative_tokens, num_full > 0)
             est += drafter * per_graph
@@ -1110,12 +1128,23 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     )
 
 
-def _num_full_decode_graphs(largest: int, seqs: int, query_len: int) -> int:
-    """vLLM's FULL uniform-decode graphs: the capture sizes up to ``largest`` rounded up to a multiple of the decode
-    query length, within ``max_num_seqs`` requests, without repeats (``CudaGraphManager._init_candidates``)."""
+def _uniform_decode_graph_tokens(largest: int, seqs: int, query_len: int) -> list[int]:
+    """The tokens of vLLM's FULL uniform-decode graphs: the capture sizes up to ``largest`` rounded up to a multiple
+    of the decode query length, within ``max_num_seqs`` requests and ``largest`` tokens, without repeats
+    (``CudaGraphManager._init_candidates``)."""
     sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16))
     rounded = {-(-s // query_len) * query_len for s in sizes if s <= largest}
-    return sum(1 for r in rounded if r <= max(seqs, 1) * query_len and r <= largest)
+    return sorted(r for r in rounded if r <= max(seqs, 1) * query_len and r <= largest)
+
+
+def _dspark_capture_lane_bytes(spec, layout: Layout, rows: int, max_model_len: int, cc: tuple[int, int]) -> int:
+    """The drafter's workspace lane that capturing DSpark's largest graph (``rows`` query rows) fills: its MLA runs
+    on TRITON_MLA, whose split-KV logits come from the lane (``planning/workspace.py draft_capture_logits_bytes``)."""
+    mla = next((layer.kv for layer in spec.draft.layers if isinstance(layer.kv, MlaKv)), None) if spec.draft else None
+    if mla is None or not rows:
+        return 0
+    heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp))
+    return draft_capture_logits_bytes(rows, heads, mla.kv_lora_rank, max_model_len, cc)
 
 
 def eagle3_draft_graphs(largest: int, seqs: int, num_spec: int, full_and_piecewise: bool) -> int:

@@ -237,6 +237,17 @@ SETS: dict[str, list[Job]] = {
     "ranks-round9": [
         rank("r44-s1-dspark-b4096-s128", 1, role="validation", tokens=4096, seqs=128, expected_s=200),
     ],
+    # Roles fixed 2026-12-03 (tenth session), after DSpark's capture workspace was counted and before these run:
+    # that lane grows with max_model_len (TRITON_MLA's KV splits), and the B200 and GB300 configs run at 65,536 and
+    # 131,072 tokens; only the B200 rank (22 sequences) has measured it past 32,768.
+    "ranks-round10": [
+        rank("r44-s1-dspark-l131072-s64", 1, role="validation", seqs=64, extra=("--max-model-len", "131072"),
+             expected_s=220),
+        rank("r44-s1-dspark-l65536-s128", 1, role="validation", seqs=128, extra=("--max-model-len", "65536"),
+             expected_s=220),
+        rank("r44-s1-dspark-l131072-s20", 1, role="validation", seqs=20, extra=("--max-model-len", "131072"),
+             expected_s=220),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
