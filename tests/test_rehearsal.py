@@ -179,6 +179,24 @@ def test_dspark_capture_workspace_is_the_lane_vllm_logged() -> None:
         assert int(planned.group(1).replace(",", "")) == math.ceil(logged_mb / 2) * 2, (run_dir.name, logged_mb)
 
 
+DSPARK_GRAPHS = re.compile(r"Capturing dspark CUDA graphs \(FULL\):\s+0%\|\s+\| 0/(\d+)")
+
+
+def test_dspark_graphs_are_counted_at_their_own_sizes() -> None:
+    """DSpark captures its own FULL graphs, in multiples of its 7 query rows a request (not the target's 8): as many
+    as vLLM's progress bar counted, on one recorded run per count (14 to 48)."""
+    seen: dict[int, Path] = {}
+    for log in sorted((REPO_ROOT / "tests" / "fixtures" / "gpu").glob("*/*/vllm.log")):
+        counts = DSPARK_GRAPHS.findall(log.read_text(errors="replace"))
+        if counts:
+            seen.setdefault(int(counts[-1]), log.parent)  # the real capture's, after the profile's
+    assert {14, 15, 20, 45, 48} <= set(seen)
+    for count, run_dir in seen.items():
+        report, _ = accuracy.predict_run(run_dir)
+        basis = next(e for e in report.estimates if e.name == "cuda_graph_bytes").basis
+        assert f"+ {count} draft graphs x" in basis, (run_dir.name, count, basis)
+
+
 def test_a_near_miss_gives_its_budget_and_cuda_graph_estimate_once_the_total_is_known() -> None:
     # The 8-layer slice stopped before vLLM's summary line (max_num_seqs over the state blocks), so the log never
     # printed the GPU's total; its utilization line still says 0.9200 is 0.8927 without the CUDA-graph estimate.
