@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "leave-one-out is the TP2 run (-10 %; +14 % on the 1024-sequence run without a draft before the KDA layer's "
         "own peak was modelled, 2026-12-02). The CUDA-graph group's worst leave-one-out is its newest run, stage 1's "
         "rank at 256 sequences (+13 %, the safe side): no other fit run has DSpark at 48 graphs on a TP8 rank. "
-        "DSpark's capture workspace (the drafter's lane, `planning/workspace.py draft_capture_logits_bytes`) is not "
+        "DSpark's capture workspace (the drafter's lane, `planning/memory.py _dspark_capture_lane_bytes`) is not "
         "fitted: vLLM's shapes give each size it logged, to the 2 MiB block. The validation runs "
         "set nothing; their worst errors in the unsafe direction set the bands. FlashKDA's scratch share "
         "(`FLASHKDA_SCRATCH_FRACTION`) was read from the one run where FlashKDA alone grew vLLM's workspace: no "

@@ -31,15 +31,14 @@ from kimi_k3_serve.planning.kvcache import (
     hybrid_block_size,
 )
 from kimi_k3_serve.planning.allocator import allocator_rounding_bytes
-from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice
+from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
 from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.units import GiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
 from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
-from kimi_k3_serve.planning.workspace import (SharedWorkspace, draft_capture_logits_bytes, moe_buffer_bytes,
-                                                triton_mla_logits_bytes)
+from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
 NON_TORCH_TP1 = int(383.49 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
@@ -1137,14 +1136,19 @@ def _uniform_decode_graph_tokens(largest: int, seqs: int, query_len: int) -> lis
     return sorted(r for r in rounded if r <= max(seqs, 1) * query_len and r <= largest)
 
 
-def _dspark_capture_lane_bytes(spec, layout: Layout, rows: int, max_model_len: int, cc: tuple[int, int]) -> int:
-    """The drafter's workspace lane that capturing DSpark's largest graph (``rows`` query rows) fills: its MLA runs
-    on TRITON_MLA, whose split-KV logits come from the lane (``planning/workspace.py draft_capture_logits_bytes``)."""
+def _dspark_capture_lane_bytes(spec: SpeculativeSettings, layout: Layout, rows: int, max_model_len: int,
+                               cc: tuple[int, int]) -> int:
+    """The drafter's workspace lane (lane 1) that capturing DSpark's largest graph of ``rows`` query rows fills: its
+    MLA runs on TRITON_MLA, whose ``forward_mqa`` takes its split-KV logits from the lane, and the capture's dummy
+    batch runs at ``max_model_len``, so they are sized as at full context. The lane is empty until then: all of it is
+    new memory inside vLLM's CUDA-graph estimate (the profiling capture measures it), never freed (the real capture
+    finds it big enough). vLLM logged 157.81 to 1,493.91 MB for these shapes (H200, 2026-12-01 to 03); charged in
+    the caching allocator's 2 MiB blocks, as ``triton_mla_logits_bytes`` charges lane 0's reservation."""
     mla = next((layer.kv for layer in spec.draft.layers if isinstance(layer.kv, MlaKv)), None) if spec.draft else None
     if mla is None or not rows:
         return 0
     heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp))
-    return draft_capture_logits_bytes(rows, heads, mla.kv_lora_rank, max_model_len, cc)
+    return triton_mla_logits_bytes(rows, 1, heads, mla.kv_lora_rank, max_model_len, cc)
 
 
 def eagle3_draft_graphs(largest: int, seqs: int, num_spec: int, full_and_piecewise: bool) -> int:

@@ -69,32 +69,14 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _triton_mla_decode_logits_raw(rows: int, local_heads: int, kv_lora_rank: int, max_seq_len: int,
-                                  compute_capability: tuple[int, int]) -> int:
-    """fp32 ``(rows, heads, splits, kv_lora_rank + 1)``, splits = ``min(next_pow2(max_seq_len // 512), 2 x SMs)``
-    (``triton_mla.py _compute_num_kv_splits``)."""
-    sms = SM_COUNT.get(compute_capability, SM_COUNT[(9, 0)])
-    splits = min(_next_power_of_2(max(1, max_seq_len // TRITON_MLA_MIN_WORK_PER_SPLIT)), 2 * sms)
-    return rows * local_heads * splits * (kv_lora_rank + 1) * 4
-
-
 def triton_mla_logits_bytes(max_num_seqs: int, query_len: int, local_heads: int, kv_lora_rank: int,
                             max_model_len: int, compute_capability: tuple[int, int]) -> int:
-    """``_reserve_attn_logits_workspace`` on lane 0: ``max_num_seqs x query_len`` rows at ``max_model_len``."""
-    raw = _triton_mla_decode_logits_raw(max_num_seqs * query_len, local_heads, kv_lora_rank, max_model_len,
-                                        compute_capability)
-    return -(-raw // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
-
-
-def draft_capture_logits_bytes(rows: int, local_heads: int, kv_lora_rank: int, max_model_len: int,
-                               compute_capability: tuple[int, int]) -> int:
-    """What ``forward_mqa`` takes from lane 1 (the drafter's lane) while vLLM captures a TRITON_MLA draft's largest
-    graph of ``rows`` query rows: its dummy batch runs at ``max_model_len``, so the split-KV logits are sized as at
-    full context. The lane is empty until then, so all of it is new memory, inside vLLM's CUDA-graph estimate (the
-    profiling capture measures it) and never freed (the real capture finds it big enough). vLLM logged 168.33,
-    462.90, 673.31, 746.96 and 1,493.91 MB for these shapes (H200, 2026-12-01 to 03); charged in the caching
-    allocator's 2 MiB blocks."""
-    raw = _triton_mla_decode_logits_raw(rows, local_heads, kv_lora_rank, max_model_len, compute_capability)
+    """``_reserve_attn_logits_workspace``: fp32 ``(max_num_seqs x query_len, heads, splits, kv_lora_rank + 1)``,
+    splits = ``min(next_pow2(max_model_len // 512), 2 x SMs)``. ``forward_mqa`` takes the same shape for a batch of
+    that many query rows at that context (``memory._dspark_capture_lane_bytes``)."""
+    sms = SM_COUNT.get(compute_capability, SM_COUNT[(9, 0)])
+    splits = min(_next_power_of_2(max(1, max_model_len // TRITON_MLA_MIN_WORK_PER_SPLIT)), 2 * sms)
+    raw = max_num_seqs * query_len * local_heads * splits * (kv_lora_rank + 1) * 4
     return -(-raw // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
