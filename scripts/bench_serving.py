@@ -59,7 +59,6 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -141,12 +140,6 @@ BENCH_CLIENT = (
     "    reply.write(json.dumps({'rc': rc}) + '\\n')\n"
     "    reply.flush()\n"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_loads() -> str:
@@ -402,8 +395,10 @@ class RunningSide:
 def start_side(name: str, engine: Engine, config: Path, out: Path, suffix: str = "",
                tensor_parallel_size: int | None = None, api_key_file: Path | None = None,
                env_extra: dict[str, str] | None = None) -> RunningSide:
+    from kimi_k3_serve.serving.ports import free_loopback_port
+
     spec = parse_side(name)
-    port = free_port()
+    port = free_loopback_port()
     log = out / f"server-{name}{suffix}.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(engine.env)  # the CPU knobs of our builder, for bare vLLM as well

@@ -30,7 +30,6 @@ import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -42,10 +41,11 @@ from typing import Any, Callable, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
+from kimi_k3_serve.serving.ports import LOOPBACK, free_loopback_port  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RAY_LOGICAL_CPUS = 8
 APP_READY_TIMEOUT_S = 600
-LOOPBACK = "127.0.0.1"
 
 
 def load_script(name: str):
@@ -62,9 +62,7 @@ make_tiny_models = load_script("make_tiny_models")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    return free_loopback_port()
 
 
 def stop_process_group(proc: subprocess.Popen, sig: int, timeout_s: float = 90) -> None:

@@ -1,0 +1,42 @@
+"""A free loopback port for a listener that binds it later, after Ray has started.
+
+Asking the kernel for port 0 gives a port of its ephemeral range, the range Ray's own processes (raylet, agents,
+metrics exporter) and every outgoing connection take their ports from while Ray starts. Between the choice and the
+listener's bind, one of them can take it: on CI (2026-12-03) Serve's HAProxy then failed with "cannot bind socket
+(Address already in use)". A port between Ray's worker ports (10002-19999 by default) and the ephemeral range is
+taken by neither.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+from kimi_k3_serve.serving.haproxy_loopback import LOOPBACK
+ABOVE_RAY_WORKER_PORTS = 20000
+DEFAULT_EPHEMERAL_LOW = 32768
+"""Linux's default ``net.ipv4.ip_local_port_range`` starts here."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_EPHEMERAL_LOW
+
+
+def free_loopback_port(host: str = LOOPBACK) -> int:
+    """A port free on ``host`` now, outside the ranges Ray and the kernel hand out; the kernel's choice where that
+    gap is too narrow or full."""
+    gap = range(ABOVE_RAY_WORKER_PORTS, _ephemeral_low())
+    for port in random.sample(gap, min(len(gap), 256)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,29 @@
+"""The loopback port a side or a test server binds after Ray has started: outside the ranges Ray and the kernel hand
+out while Ray starts."""
+from __future__ import annotations
+
+import socket
+
+from kimi_k3_serve.serving import ports
+
+
+def test_the_port_lies_between_rays_worker_ports_and_the_ephemeral_range() -> None:
+    low = ports._ephemeral_low()
+    for _ in range(20):
+        port = ports.free_loopback_port()
+        assert ports.ABOVE_RAY_WORKER_PORTS <= port < low
+        with socket.socket() as s:  # and it is free
+            s.bind((ports.LOOPBACK, port))
+
+
+def test_with_the_gap_taken_the_kernel_chooses(monkeypatch) -> None:
+    with socket.socket() as held:
+        held.bind((ports.LOOPBACK, 0))
+        taken = held.getsockname()[1]
+        # A gap of one port, already bound: the kernel's own choice, which is free and not that port.
+        monkeypatch.setattr(ports, "ABOVE_RAY_WORKER_PORTS", taken)
+        monkeypatch.setattr(ports, "_ephemeral_low", lambda: taken + 1)
+        port = ports.free_loopback_port()
+        assert port != taken
+        with socket.socket() as s:
+            s.bind((ports.LOOPBACK, port))
