@@ -518,6 +518,38 @@ def test_the_recorded_kimi_slice_direct_run_rebuilds_to_what_the_benchmarks_page
     assert not (H200_KIMI_DIRECT_BENCH / "api-key").exists()
 
 
+H200_LLAMA_DIRECT_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-03-h200-llama-direct"
+
+
+def test_the_recorded_llama_direct_run_rebuilds_to_what_the_benchmarks_page_says(bench_serving, tmp_path):
+    """Llama-3.1-8B's shape on one H200 under direct streaming with the key, without the LLMRouter peer (2026-12-03,
+    eleventh session; docs/benchmarks.md): bare vLLM's throughput and token pace at 1 to 256 streams and its TTFT at
+    1 and 8; TPOT p50 over the goal at 64 and 256. At 256 only 76 requests fit the KV cache at once, so requests
+    finish in waves: the direct side's first wave is less crisp (its p25 latency later), its last request no later."""
+    import shutil
+
+    folder = tmp_path / "bench"
+    shutil.copytree(H200_LLAMA_DIRECT_BENCH, folder)
+    assert bench_serving.resummarise(folder, None) == 0
+    goals = {(g["side"], g["concurrency"]): g for g in json.loads((folder / "summary.json").read_text())["goals"]}
+    assert set(goals) == {("direct+key", c) for c in (1, 8, 64, 256)}
+    for concurrency in (1, 8, 64, 256):
+        assert goals[("direct+key", concurrency)]["throughput_ratio"] >= 0.97
+        assert goals[("direct+key", concurrency)]["itl_met"]
+    assert round(goals[("direct+key", 1)]["ttft_p50_overhead_ms"], 1) == 2.8
+    assert round(goals[("direct+key", 8)]["ttft_p50_overhead_ms"], 1) == -1.8
+    assert [goals[("direct+key", c)]["tpot_met"] for c in (1, 8, 64, 256)] == [True, True, False, False]
+
+    def latency_quantile(side: str, q: float) -> float:
+        per_round = [sorted(json.loads((folder / f"{side}-c256-r{r}.json").read_text())["latencies"]) for r in range(3)]
+        return sorted(lat[int(len(lat) * q)] for lat in per_round)[1]
+
+    assert latency_quantile("direct+key", 0.25) > latency_quantile("vllm", 0.25) + 1.0
+    assert latency_quantile("direct+key", 0.95) <= latency_quantile("vllm", 0.95) + 0.1
+    assert (folder / "summary.md").read_text() == (H200_LLAMA_DIRECT_BENCH / "summary.md").read_text()
+    assert not (H200_LLAMA_DIRECT_BENCH / "api-key").exists()
+
+
 def test_ratios_compare_the_rounds_both_sides_ran(bench_serving):
     """A side with a round bare vLLM lacks (the deadline cut it) is compared on the shared rounds only."""
     Cell = bench_serving.Cell
