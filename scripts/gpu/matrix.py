@@ -248,6 +248,16 @@ SETS: dict[str, list[Job]] = {
         rank("r44-s1-dspark-l131072-s20", 1, role="validation", seqs=20, extra=("--max-model-len", "131072"),
              expected_s=220),
     ],
+    # Roles fixed 2026-12-03 (eleventh session), after round 10 and before these run: the CUDA-graph estimate's
+    # growth with depth at full width. vLLM's FULL-graph increment per graph is 9.1 MiB at 4 layers and 10.2 at 8 on
+    # full-width slices (2.3-4.4 MiB on TP8 ranks at 44-49), and no fit run has a full-width slice deeper than 4, so
+    # k8-tp1-serve-defaults-dspark's estimate is 0.18 GiB under (its KV sliver +18 %). A 6-layer fit run gives the
+    # slope; 7 layers at the serve defaults and 5 layers at another budget score it.
+    "ranks-round11": [
+        kimi("k6-tp1-serve-defaults-dspark", 6, role="fit", expected_s=200),
+        kimi("k7-tp1-serve-defaults-dspark", 7, role="validation", expected_s=200),
+        kimi("k5-tp1-b4096-s128-dspark", 5, tokens=4096, seqs=128, role="validation", expected_s=200),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
