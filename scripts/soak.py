@@ -19,7 +19,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -171,12 +170,6 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ray_head(temp_dir: str) -> None:
     """This process's own Ray head on 127.0.0.1 only (loopback mode above), no dashboard; Ray 2.60 turns token
     authentication on for a head that ``ray.init`` starts."""
@@ -191,7 +184,9 @@ class LocalDeployment:
     def __init__(self, config: Path, app_name: str) -> None:
         self.config, self.app_name = config, app_name
         self.temp_dir = tempfile.mkdtemp(prefix="kk3-soak-")
-        self.port = _free_port()
+        from kimi_k3_serve.serving.ports import free_loopback_port
+
+        self.port = free_loopback_port()  # Serve's proxy binds it after Ray has started
 
     def __enter__(self) -> str:
         import ray

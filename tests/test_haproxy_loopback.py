@@ -5,21 +5,15 @@ the stand-in the same config opens the stats and metrics ports on every interfac
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import psutil
 import pytest
 
 from kimi_k3_serve.serving.haproxy_loopback import loopback_config, stand_in_path
+from kimi_k3_serve.serving.ports import free_loopback_port
 
 haproxy = pytest.importorskip("ray.serve._private.haproxy")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stand_in(folder: Path) -> Path:
@@ -36,7 +30,7 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 def _started_haproxy(tmp_path: Path, monkeypatch, binary: Path | None):
     from ray.serve.config import HTTPOptions
 
-    stats, metrics, http = _free_port(), _free_port(), _free_port()
+    stats, metrics, http = free_loopback_port(), free_loopback_port(), free_loopback_port()
     cfg = haproxy.HAProxyConfig(stats_port=stats, metrics_port=metrics, socket_path=str(tmp_path / "admin.sock"),
                                 server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
                                 http_options=HTTPOptions(host="127.0.0.1", port=http), enable_hap_optimization=False)

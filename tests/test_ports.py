@@ -7,11 +7,12 @@ import socket
 from kimi_k3_serve.serving import ports
 
 
-def test_the_port_lies_between_rays_worker_ports_and_the_ephemeral_range() -> None:
+def test_the_port_lies_between_rays_worker_ports_and_the_ephemeral_range_outside_serves_replica_ports() -> None:
     low = ports._ephemeral_low()
-    for _ in range(20):
+    for _ in range(100):  # a 1,001-port range in a 12,768-port gap: 100 draws all miss it by chance 3 times in 10,000
         port = ports.free_loopback_port()
         assert ports.ABOVE_RAY_WORKER_PORTS <= port < low
+        assert port not in ports.SERVE_DIRECT_INGRESS_HTTP_PORTS  # a direct-ingress replica may take those
         with socket.socket() as s:  # and it is free
             s.bind((ports.LOOPBACK, port))
 

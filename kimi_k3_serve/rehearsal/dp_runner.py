@@ -13,15 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import traceback
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank(spec: dict, rank: int, size: int, port: int) -> None:
@@ -45,8 +38,10 @@ def _rank(spec: dict, rank: int, size: int, port: int) -> None:
 def run_dp(spec: dict) -> int:
     import multiprocessing
 
+    from kimi_k3_serve.serving.ports import free_loopback_port
+
     size = int(spec["engine_kwargs"]["data_parallel_size"])
-    port = _free_port()
+    port = free_loopback_port()  # the DP master's, bound once the ranks have started
     context = multiprocessing.get_context("spawn")
     procs = [context.Process(target=_rank, args=(spec, rank, size, port), name=f"kimi_k3_rehearsal_dp{rank}")
              for rank in range(size)]

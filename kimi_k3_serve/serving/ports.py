@@ -4,7 +4,8 @@ Asking the kernel for port 0 gives a port of its ephemeral range, the range Ray'
 metrics exporter) and every outgoing connection take their ports from while Ray starts. Between the choice and the
 listener's bind, one of them can take it: on CI (2026-12-03) Serve's HAProxy then failed with "cannot bind socket
 (Address already in use)". A port between Ray's worker ports (10002-19999 by default) and the ephemeral range is
-taken by neither.
+taken by neither, except the HTTP ports Serve gives its replicas under direct ingress (30000-31000 by default), which
+are left out too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from kimi_k3_serve.serving.haproxy_loopback import LOOPBACK
 ABOVE_RAY_WORKER_PORTS = 20000
 DEFAULT_EPHEMERAL_LOW = 32768
 """Linux's default ``net.ipv4.ip_local_port_range`` starts here."""
+SERVE_DIRECT_INGRESS_HTTP_PORTS = range(30000, 31001)
+"""Serve 2.60's ``RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_HTTP_PORT`` defaults: a replica's own HTTP server under direct
+ingress takes one of these (its gRPC range, 40000-41000, lies in the ephemeral range)."""
 
 
 def _ephemeral_low() -> int:
@@ -29,7 +33,8 @@ def _ephemeral_low() -> int:
 def free_loopback_port(host: str = LOOPBACK) -> int:
     """A port free on ``host`` now, outside the ranges Ray and the kernel hand out; the kernel's choice where that
     gap is too narrow or full."""
-    gap = range(ABOVE_RAY_WORKER_PORTS, _ephemeral_low())
+    gap = [port for port in range(ABOVE_RAY_WORKER_PORTS, _ephemeral_low())
+           if port not in SERVE_DIRECT_INGRESS_HTTP_PORTS]
     for port in random.sample(gap, min(len(gap), 256)):
         with socket.socket() as s:
             try:
