@@ -5,9 +5,9 @@ constants, so a group is fitted by non-negative least squares (relative errors) 
 
 - ``cuda_graph``: vLLM's CUDA-graph estimate (``profile_cudagraph_memory``) is the first capture's activations plus,
   per captured graph, ``per_graph + per_head x the target's heads on the rank``, ``per_layer x local layers`` once,
-  and, on the last stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank + draft_per_layer x
-  the stage's layers`` per DSpark FULL graph (DSpark's own sizes), beside DSpark's capture workspace (the drafter's
-  lane, from vLLM's shapes: not fitted). Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
+  and, on the last stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank + draft_per_layer_head
+  x the stage's layers x the target's heads on the rank`` per DSpark FULL graph (DSpark's own sizes), beside DSpark's
+  capture workspace (the drafter's lane, from vLLM's shapes: not fitted). Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
 - ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations (from
   the shapes), ``NON_TORCH_TP1`` on one GPU, the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32
   ``max_num_seqs x vocab`` tensors and, with DSpark, ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import memory_accuracy  # noqa: E402
 from kimi_k3_serve.planning import memory  # noqa: E402
-from kimi_k3_serve.units import GiB, MiB  # noqa: E402
+from kimi_k3_serve.units import GiB, KiB, MiB  # noqa: E402
 
 @dataclass(frozen=True)
 class Group:
@@ -52,13 +52,16 @@ class Group:
     kimi_only: bool = True
     integer_scale: tuple[int, ...] = ()
     """A constant that is a factor, not bytes (sampler copies): probed in whole ones, kept to 0.01."""
+    kib_scale: tuple[int, ...] = ()
+    """A constant of a few KiB (per layer and head): probed and kept in KiB to 0.01, where MiB to 0.01 would move it
+    by a sixth."""
 
 
 GROUPS = (
     Group("cuda_graph", (("CUDA_GRAPH_PER_GRAPH", "kimi_k3"), ("CUDA_GRAPH_PER_LAYER", "kimi_k3"),
                          ("CUDA_GRAPH_PER_HEAD", "kimi_k3"), ("CUDA_GRAPH_DRAFT_PER_GRAPH", "dspark"),
-                         ("CUDA_GRAPH_DRAFT_PER_HEAD", "dspark"), ("CUDA_GRAPH_DRAFT_PER_LAYER", "dspark")), "cuda_graph",
-          memory.CUDA_GRAPH_FIT_RUNS),
+                         ("CUDA_GRAPH_DRAFT_PER_HEAD", "dspark"), ("CUDA_GRAPH_DRAFT_PER_LAYER_HEAD", "dspark")),
+          "cuda_graph", memory.CUDA_GRAPH_FIT_RUNS, kib_scale=(5,)),
     Group("profile", (("NON_TORCH_TP1", None), ("SAMPLER_FP32_VOCAB_COPIES", None),
                       ("DSPARK_PROFILE_LOGITS_COPIES", None), ("DRAFT_HIDDEN_COPIES", "dspark")), "profile",
           memory.PROFILE_FIT_RUNS, integer_scale=(1, 2, 3)),
@@ -82,7 +85,7 @@ class Row:
 
 
 def _unit(group: Group, i: int) -> int:
-    return 1 if i in group.integer_scale else MiB
+    return 1 if i in group.integer_scale else KiB if i in group.kib_scale else MiB
 
 
 def _get(name: str, key: str | None):
@@ -190,12 +193,14 @@ def _label(name: str, key: str | None) -> str:
 
 
 def _shown(group: Group, i: int, value: float) -> str:
-    return f"{value:.2f} copies" if i in group.integer_scale else f"{value / MiB:.2f} MiB"
+    if i in group.integer_scale:
+        return f"{value:.2f} copies"
+    return f"{value / KiB:.2f} KiB" if i in group.kib_scale else f"{value / MiB:.2f} MiB"
 
 
 def shipped(group: Group, theta: np.ndarray) -> np.ndarray:
-    """The values the file keeps: factors and MiB to two decimals."""
-    return np.array([round(v, 2) if i in group.integer_scale else round(v / MiB, 2) * MiB for i, v in enumerate(theta)])
+    """The values the file keeps: factors, MiB and KiB to two decimals."""
+    return np.array([round(v / _unit(group, i), 2) * _unit(group, i) for i, v in enumerate(theta)])
 
 
 def report(rows: list[Row], group: Group = GROUPS[0]) -> tuple[np.ndarray, list[str]]:
@@ -225,7 +230,9 @@ def write(group: Group, theta: np.ndarray) -> None:
     path = ROOT / "kimi_k3_serve" / "planning" / "memory.py"
     text = path.read_text()
     for i, ((name, key), v) in enumerate(zip(group.constants, shipped(group, theta))):
-        value = f"{v:.2f}" if i in group.integer_scale else "0" if v == 0 else f"int({v / MiB:.2f} * MiB)"
+        unit = "KiB" if i in group.kib_scale else "MiB"
+        value = f"{v:.2f}" if i in group.integer_scale else "0" if v == 0 else \
+            f"int({v / _unit(group, i):.2f} * {unit})"
         if key is None:
             pattern = rf"^({name} = )[^\n]+"
         else:

@@ -292,6 +292,17 @@ def test_estimates_are_pinned_to_the_h200_measurements(runs) -> None:
     assert abs(llama.profile[0] - llama.profile[1]) <= bands.PROFILE_OTHER_FAMILIES.floor_bytes
 
 
+def test_dspark_graphs_grow_with_depth_at_the_ranks_width(runs) -> None:
+    """With DSpark, vLLM's CUDA-graph estimate grows with the stage's depth in proportion to the target heads on the
+    rank (``memory.CUDA_GRAPH_DRAFT_PER_LAYER_HEAD``): on full-width slices (96 heads) 3.55 GiB at 4 layers and
+    3.82 at 8. Charged per layer alone, at the TP8 ranks' scale, the plan grew 0.04 GiB of those 0.27 and was
+    0.18 GiB under at 8. k8 was read before this structure was chosen: ranks-round11 (7 and 5 layers) scores it."""
+    shallow, deep = runs["k4-tp1-serve-defaults-dspark"], runs["k8-tp1-serve-defaults-dspark"]
+    assert deep.cuda_graph[1] - shallow.cuda_graph[1] > 0.25 * GiB  # vLLM's growth
+    assert deep.cuda_graph[0] - shallow.cuda_graph[0] > 0.15 * GiB  # the plan's
+    assert abs(deep.cuda_graph[0] - deep.cuda_graph[1]) <= 0.1 * GiB
+
+
 def test_the_mla_eagle3_draft_meets_vllm_at_full_width_and_on_a_tp8_rank(runs) -> None:
     """Every recorded run with an EAGLE3 draft that vLLM sized a pool for (the 4-layer slice at full width through
     Serve, the TP8 rank slice of deploy/config.yaml's stage 1): the draft's profile-run step (its generic MLA's

@@ -54,7 +54,10 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "DSpark's capture workspace is counted from vLLM's shapes (2026-12-03, tenth session): 3.64 / "
                    "3.82 GiB (-0.18 GiB) on the same run, then b200-r43-s1-dspark 1.70 / 1.81 (-0.11) and "
                    "r44-s1-dspark 1.18 / 1.27 (-0.09); out of sample at 131,072 tokens (eleventh session), "
-                   "r44-s1-dspark-l131072-s20 1.98 / 2.10 (-0.12); the band stays")
+                   "r44-s1-dspark-l131072-s20 1.98 / 2.10 (-0.12). Since DSpark's per-layer term is charged per "
+                   "target head on the rank (eleventh session, a structure chosen after k8 was read): k8 3.75 / 3.82 "
+                   "(-0.07), b200-r43-s1-dspark 1.70 / 1.81 (-0.11), r44-s1-dspark-l131072-s20 1.99 / 2.10 (-0.11), "
+                   "llama-3.1-8b-tp1-b16384-s1024 0.78 / 0.92 (-0.14); the band stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 

@@ -34,7 +34,7 @@ from kimi_k3_serve.planning.allocator import allocator_rounding_bytes
 from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
 from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
-from kimi_k3_serve.units import GiB, MiB, cdiv
+from kimi_k3_serve.units import GiB, KiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
 from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
@@ -92,13 +92,13 @@ throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER
 once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.39 * MiB), "default": 0}
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.38 * MiB), "default": 0}
 """What one local decoder layer adds to the estimate, once for the stage, not per graph (fitted with
 ``CUDA_GRAPH_PER_GRAPH``; charged per graph and refitted, it over-predicted r49-s0-b2048-s512 by 164 %)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(17.88 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.34 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. DSpark's graphs are its own FULL graphs (sizes in
@@ -108,13 +108,17 @@ TP8 rank and 32,768 tokens; twice that at 65,536). Before that lane was counted 
 15.28 MiB per graph, 0.39 per head and 0.50 per layer, 8 % over on stage 1's TP8 rank at 64 to 512 sequences. EAGLE3:
 none per target graph; its drafter's own graphs are counted instead (``eagle3_draft_graphs``), each at the target's
 per-graph cost (not fitted on an EAGLE3 run)."""
-CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.07 * MiB)}
-CUDA_GRAPH_DRAFT_PER_LAYER = {"dspark": int(0.10 * MiB)}
-"""What each target layer of the last stage adds per FULL graph when DSpark rides on it (fitted with
-``CUDA_GRAPH_PER_GRAPH``). vLLM's estimate charges every FULL graph at the second-largest one's increment
-(``_extrapolate_full_graph_memory``); on the TP8 rank slices with DSpark the estimate grew with depth at the same
-graph counts (11 -> 44 layers: 0.90 -> 1.27 GiB), where without a draft it barely did (23 -> 49 layers: 0.20 -> 0.25).
-Since the capture lane is counted, the fit puts almost none of that here (0.10 MiB)."""
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.03 * MiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(8.79 * KiB)}
+"""What each target layer of the last stage adds per FULL graph when DSpark rides on it, per target attention head on
+the rank (fitted with ``CUDA_GRAPH_PER_GRAPH``, in KiB). vLLM's estimate charges every FULL graph at the second-largest
+one's increment (``_extrapolate_full_graph_memory``); with DSpark the estimate grows with depth at the same graph
+counts, where without a draft it barely does: on TP8 rank slices 11 -> 44 layers gave 0.90 -> 1.27 GiB (no draft,
+23 -> 49 layers: 0.20 -> 0.25), and on full-width slices (96 heads, 8 times a TP8 rank's 12) 4 -> 6 -> 8 layers gave
+3.55 -> 3.70 -> 3.82 GiB. Charged per layer alone (until 2026-12-03, eleventh session), the fit put it at the ranks'
+scale (0.10 MiB) and k8-tp1-serve-defaults-dspark's estimate was 0.18 GiB under; per layer and head, a full-width
+layer costs 8 times a rank's. That structure was chosen after k8 had been read: ranks-round11 (7 and 5 layers at
+full width, roles fixed before it runs) scores it."""
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark", "k8-tp1-b8192-s512-nodraft",
                        "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256")
@@ -1103,8 +1107,9 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     draft = ""
     if spec is not None and stage == layout.pp - 1:
         heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp)) if spec.draft is not None else 0
+        target_heads = max(1, model.num_attention_heads // layout.tp)
         per_draft_graph = (CUDA_GRAPH_DRAFT_PER_GRAPH.get(spec.method, 0) + CUDA_GRAPH_DRAFT_PER_HEAD.get(spec.method, 0) * heads
-                           + CUDA_GRAPH_DRAFT_PER_LAYER.get(spec.method, 0) * (end - start))
+                           + CUDA_GRAPH_DRAFT_PER_LAYER_HEAD.get(spec.method, 0) * (end - start) * target_heads)
         num_draft = num_full
         if spec.method == "dspark":
             # DSpark's own FULL graphs: N query rows a request (anchor + N-1 noise), not the target's 1 + N

@@ -252,8 +252,9 @@ SETS: dict[str, list[Job]] = {
     # growth with depth at full width. vLLM's FULL-graph increment per graph is 9.1 MiB at 4 layers and 10.2 at 8 on
     # full-width slices (2.3-4.4 MiB on TP8 ranks at 44-49), and the one full-width fit run deeper than 4 layers with
     # DSpark (6 layers, 8,192 tokens, 768 sequences) is itself 2 % under, so k8-tp1-serve-defaults-dspark's estimate
-    # is 0.18 GiB under (its KV sliver +18 %). A 6-layer fit run at the serve defaults gives the slope there; 7 layers
-    # at the serve defaults and 5 layers at another budget score it.
+    # was 0.18 GiB under (its KV sliver +18 %). Since then DSpark's per-layer term is charged per target head on the
+    # rank (a structure chosen after k8 was read): a 6-layer fit run at the serve defaults adds to its fit, and 7
+    # layers at the serve defaults and 5 layers at another budget score it.
     "ranks-round11": [
         kimi("k6-tp1-serve-defaults-dspark", 6, role="fit", expected_s=200),
         kimi("k7-tp1-serve-defaults-dspark", 7, role="validation", expected_s=200),
