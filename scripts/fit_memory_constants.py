@@ -88,6 +88,11 @@ def _unit(group: Group, i: int) -> int:
     return 1 if i in group.integer_scale else KiB if i in group.kib_scale else MiB
 
 
+def _unit_name(group: Group, i: int) -> str:
+    """How a byte constant's unit is written (``_unit``'s name)."""
+    return "KiB" if i in group.kib_scale else "MiB"
+
+
 def _get(name: str, key: str | None):
     return getattr(memory, name) if key is None else getattr(memory, name).get(key)
 
@@ -195,7 +200,7 @@ def _label(name: str, key: str | None) -> str:
 def _shown(group: Group, i: int, value: float) -> str:
     if i in group.integer_scale:
         return f"{value:.2f} copies"
-    return f"{value / KiB:.2f} KiB" if i in group.kib_scale else f"{value / MiB:.2f} MiB"
+    return f"{value / _unit(group, i):.2f} {_unit_name(group, i)}"
 
 
 def shipped(group: Group, theta: np.ndarray) -> np.ndarray:
@@ -230,9 +235,8 @@ def write(group: Group, theta: np.ndarray) -> None:
     path = ROOT / "kimi_k3_serve" / "planning" / "memory.py"
     text = path.read_text()
     for i, ((name, key), v) in enumerate(zip(group.constants, shipped(group, theta))):
-        unit = "KiB" if i in group.kib_scale else "MiB"
         value = f"{v:.2f}" if i in group.integer_scale else "0" if v == 0 else \
-            f"int({v / _unit(group, i):.2f} * {unit})"
+            f"int({v / _unit(group, i):.2f} * {_unit_name(group, i)})"
         if key is None:
             pattern = rf"^({name} = )[^\n]+"
         else:
