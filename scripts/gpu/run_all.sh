@@ -19,7 +19,8 @@
 #                  (the NCCL tests include the fabric measurement: bus bandwidth and socket detection, 2 GPUs)
 #                  (KIMI_K3_SERVE_GPU_TESTS="EXPR" runs the tests that pytest -k EXPR selects instead, in either tests phase)
 #   bench          serving speed, bare vLLM vs our Serve path (scripts/bench_serving.py --preset $KIMI_K3_SERVE_BENCH, default h200-llama-8b) -> $OUT/bench.tar.gz
-#                  (KIMI_K3_SERVE_BENCH_SIDES="vllm direct+key" runs only those of the preset's sides)
+#                  (KIMI_K3_SERVE_BENCH_SIDES="vllm direct+key" runs only those of the preset's sides,
+#                  KIMI_K3_SERVE_BENCH_CONCURRENCY="64 256" only those of its concurrencies)
 #   all            every phase in turn (a host without the 10-minute limit)
 # Each phase writes $OUT/<phase>.log and $OUT/<phase>.tar.gz (logs, readings, results), and $OUT/host.json once.
 # Work folders: $KIMI_K3_SERVE_GPU_RUNS (default /var/tmp/kk3-runs), models: $KIMI_K3_SERVE_MODEL_CACHE (/var/tmp/kk3-models).
@@ -122,7 +123,8 @@ run_phase() {
     bench)  # packed and removed: a device call returns 8 files at most, and names with '+' or '@' not at all
       # KIMI_K3_SERVE_BENCH_SIDES="vllm direct+key" measures only those sides of the preset (a call is 10 minutes)
       python3 scripts/bench_serving.py --preset "${KIMI_K3_SERVE_BENCH:-h200-llama-8b}" --deadline "$(( $(left) - 20 ))" \
-        ${KIMI_K3_SERVE_BENCH_SIDES:+--sides $KIMI_K3_SERVE_BENCH_SIDES} --out "$out/bench"
+        ${KIMI_K3_SERVE_BENCH_SIDES:+--sides $KIMI_K3_SERVE_BENCH_SIDES} \
+        ${KIMI_K3_SERVE_BENCH_CONCURRENCY:+--concurrency $KIMI_K3_SERVE_BENCH_CONCURRENCY} --out "$out/bench"
       pack "$out/bench" && [ -f "$out/$phase.tar.gz" ] && rm -rf "$out/bench" ;;
     *) echo "unknown phase $1"; return 2 ;;
   esac
