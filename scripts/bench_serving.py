@@ -20,7 +20,8 @@ afresh every round):
   ``serve@0``, every chunk sent alone), to compare settings in one run;
 - ``direct`` (or ``direct+key``): our ``build_app(args)`` under Ray Serve LLM's direct streaming (HAProxy in front,
   the LLM replica serving vLLM's own HTTP app, no ingress replica); the API key and the bound on ``n`` are on
-  that app (``kimi_k3_serve.serving.server``).
+  that app (``kimi_k3_serve.serving.server``); ``+remote`` puts the LLM replica on a second Ray node of this
+  host and HAProxy on the head, so every token crosses from one Ray node to the other.
 
 Equal footing: bare vLLM gets ``OMP_NUM_THREADS=1``, which Ray gives every worker it starts, and the Ray heads
 run their workers at nice 0 (Ray's default is 15), like bare vLLM. On one GPU all sides share it: the GPU
@@ -223,6 +224,8 @@ replica in the path. Read by Ray Serve when it is imported, in the driver and in
 
 
 SIDE_OPTIONS = {"key": "the API key on", "tput": "Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on the side's Ray head"}
+DIRECT_OPTIONS = {"key": "the API key on",
+                  "remote": "the LLM replica on a second Ray node, HAProxy on the head: every token crosses nodes"}
 THROUGHPUT_OPTIMIZED_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 """Ray Serve's throughput-optimized mode (``ray/serve/_private/constants.py``): user code and the router on the
 replica's main event loop instead of threads of their own, buffered request logs, gRPC between proxy and
@@ -232,7 +235,7 @@ head of a ``+tput`` side (proxy, controller, replicas)."""
 
 @dataclass(frozen=True)
 class Side:
-    """What a side name says: ``vllm``, ``vllm@ray``, ``direct[+key]``, or ``serve[@MS][+key][+tput]``."""
+    """What a side name says: ``vllm``, ``vllm@ray``, ``direct[+key][+remote]``, or ``serve[@MS][+key][+tput]``."""
 
     kind: str
     """vllm, serve or direct."""
@@ -242,6 +245,8 @@ class Side:
     executor: str | None = None
     """``vllm@ray``: bare vLLM with the Ray executor (Ray Serve LLM forces it on GPUs, at every TP size)."""
     throughput_optimized: bool = False
+    remote_replica: bool = False
+    """``direct+remote``: the LLM replica on a second Ray node, HAProxy on the head (``two_node_cluster``)."""
 
 
 def parse_side(side: str) -> Side:
@@ -251,8 +256,8 @@ def parse_side(side: str) -> Side:
     if side == "vllm@ray":
         return Side("vllm", executor="ray")
     name, *options = side.split("+")
-    if name == "direct" and set(options) <= {"key"} and len(set(options)) == len(options):
-        return Side("direct", api_key="key" in options)
+    if name == "direct" and set(options) <= set(DIRECT_OPTIONS) and len(set(options)) == len(options):
+        return Side("direct", api_key="key" in options, remote_replica="remote" in options)
     if name.partition("@")[0] == "serve" and len(set(options)) == len(options) and set(options) <= set(SIDE_OPTIONS):
         flags = {"api_key": "key" in options, "throughput_optimized": "tput" in options}
         if name == "serve":
@@ -263,8 +268,9 @@ def parse_side(side: str) -> Side:
         except ValueError:
             pass
     raise argparse.ArgumentTypeError(
-        f"side {side!r}: expected vllm, vllm@ray, direct or direct+key, or serve or serve@MS (MS >= 0) with any of "
-        + ", ".join(f"+{k} ({v})" for k, v in SIDE_OPTIONS.items()))
+        f"side {side!r}: expected vllm, vllm@ray, direct with any of "
+        + ", ".join(f"+{k} ({v})" for k, v in DIRECT_OPTIONS.items())
+        + ", or serve or serve@MS (MS >= 0) with any of " + ", ".join(f"+{k} ({v})" for k, v in SIDE_OPTIONS.items()))
 
 
 def write_api_key(out: Path) -> Path:
@@ -319,7 +325,11 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
     engine = engine_from_config(config, tensor_parallel_size)
     stages = int(engine.engine_kwargs.get("pipeline_parallel_size", 1))
     cluster = None
-    if engine.accelerator == "gpu" and stages > 1:
+    remote = parse_side(side).remote_replica
+    if remote:
+        cluster = two_node_cluster(engine, stages, temp_dir)
+        ray.init(address=cluster.address, log_to_driver=False)
+    elif engine.accelerator == "gpu" and stages > 1:
         # The planner puts pipeline stages on distinct nodes: one raylet per stage, each with its own GPUs, as on
         # several machines (the GPU tests' two-node cluster).
         cluster = stage_per_node_cluster(stages, int(engine.engine_kwargs.get("tensor_parallel_size", 1)), temp_dir)
@@ -334,6 +344,8 @@ def serve_child(side: str, config: Path, port: int, temp_dir: str, tensor_parall
         # key and the bound on n on vLLM's own app in the LLM replica.
         application = build_app(side_args(engine.raw_args, side, api_key_file))
         serve.run(application, name=APP_NAME, route_prefix="/")
+        if remote:
+            print(replica_placement_line(), flush=True)
         print("SIDE READY", flush=True)
         while not stop["now"]:
             time.sleep(0.5)
@@ -355,6 +367,33 @@ def start_ray_head(temp_dir: str) -> None:
 
     ray.init(address="local", num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _temp_dir=temp_dir,
              _node_ip_address=RAY_HOST, log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES)
+
+
+def two_node_cluster(engine: Engine, stages: int, temp_dir: str):
+    """``+remote``: a head raylet with no CPUs or GPUs for tasks (Serve's controller and HAProxy, which ask for
+    none) and a second raylet with the engine's GPUs, so the LLM replica lands on the other node and HAProxy on
+    the head reaches it as it would reach another machine (here at the same 127.0.0.1)."""
+    from kimi_k3_serve.rehearsal.local_cluster import raylets_per_gpu_group
+
+    if stages > 1:
+        raise SystemExit(f"side +remote: one pipeline stage only, got pipeline_parallel_size {stages}")
+    gpus = [str(g) for g in range(int(engine.engine_kwargs.get("tensor_parallel_size", 1)))] \
+        if engine.accelerator == "gpu" else []
+    return raylets_per_gpu_group([[], gpus], num_cpus=RAY_LOGICAL_CPUS, temp_dir=temp_dir,
+                                 object_store_memory=OBJECT_STORE_BYTES, head_num_cpus=0)
+
+
+def replica_placement_line() -> str:
+    """Where the LLM replica's placement group lies against the head (HAProxy's node); exits if on the head."""
+    import ray
+
+    head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+    nodes = {node for table in ray.util.placement_group_table().values() if table.get("state") == "CREATED"
+             for node in table["bundles_to_node_id"].values()}
+    if not nodes or head in nodes:
+        raise SystemExit(f"side +remote: the LLM replica's bundles are on {sorted(nodes) or 'no node'}, "
+                         f"expected only nodes other than the head {head}")
+    return f"REMOTE REPLICA: the LLM replica's bundles on Ray node(s) {', '.join(sorted(nodes))}; HAProxy on the head {head}"
 
 
 def stage_per_node_cluster(stages: int, gpus_per_stage: int, temp_dir: str):
@@ -1317,7 +1356,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="deploy config whose engine every side runs (default deploy/dev.yaml)")
     parser.add_argument("--sides", nargs="+", default=None,
                         help="vllm, vllm@ray, serve, serve+key, serve@MS[+key] (stream batching interval MS ms), "
-                             "direct; vllm is the reference (default: vllm serve)")
+                             "direct[+key][+remote]; vllm is the reference (default: vllm serve)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 8 32")
     parser.add_argument("--rounds", type=int, default=None, help="measurements per side and concurrency (median; "
                                                                    "default 2)")

@@ -78,8 +78,10 @@ def test_serving_sides_build_valid_args(bench_serving):
     assert experimental_configs(load_args(variant, source="test")) == {"stream_batching_interval_ms": 0}
     assert bench_serving.side_args(raw, "direct") is raw
     assert bench_serving.parse_side("direct+key") == bench_serving.Side("direct", api_key=True)
+    assert bench_serving.parse_side("direct+remote+key") == bench_serving.Side("direct", api_key=True,
+                                                                              remote_replica=True)
     for bad in ("serve@-1", "serve@x", "ray", "vllm@5", "direct@50", "direct+tput", "direct+key+key", "vllm+key",
-                "serve@x+key", "key"):
+                "serve@x+key", "key", "serve+remote", "direct+remote+remote"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_serving.parse_side(bad)
     assert bench_serving.parse_side("serve@0+key") == bench_serving.Side("serve", 0.0, True)

