@@ -296,11 +296,14 @@ def test_dspark_graphs_grow_with_depth_at_the_ranks_width(runs) -> None:
     """With DSpark, vLLM's CUDA-graph estimate grows with the stage's depth in proportion to the target heads on the
     rank (``memory.CUDA_GRAPH_DRAFT_PER_LAYER_HEAD``): on full-width slices (96 heads) 3.55 GiB at 4 layers and
     3.82 at 8. Charged per layer alone, at the TP8 ranks' scale, the plan grew 0.04 GiB of those 0.27 and was
-    0.18 GiB under at 8. k8 was read before this structure was chosen: ranks-round11 (7 and 5 layers) scores it."""
+    0.18 GiB under at 8. k8 was read before this structure was chosen; ranks-round11's 7-layer validation run (read
+    after) is within 0.01 GiB."""
     shallow, deep = runs["k4-tp1-serve-defaults-dspark"], runs["k8-tp1-serve-defaults-dspark"]
     assert deep.cuda_graph[1] - shallow.cuda_graph[1] > 0.25 * GiB  # vLLM's growth
     assert deep.cuda_graph[0] - shallow.cuda_graph[0] > 0.15 * GiB  # the plan's
     assert abs(deep.cuda_graph[0] - deep.cuda_graph[1]) <= 0.1 * GiB
+    seven = runs["k7-tp1-serve-defaults-dspark"]  # out of sample: its role was fixed before it ran
+    assert seven.role == "validation" and abs(seven.cuda_graph[0] - seven.cuda_graph[1]) <= 0.02 * GiB
 
 
 def test_the_mla_eagle3_draft_meets_vllm_at_full_width_and_on_a_tp8_rank(runs) -> None:

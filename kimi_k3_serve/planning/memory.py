@@ -40,7 +40,7 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(383.49 * MiB)
+NON_TORCH_TP1 = int(380.73 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
 """Post-snapshot memory the profile sees besides weights and activations. TP1: 0.37 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
@@ -56,7 +56,7 @@ PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k
                     "k8-tp1-b8192-s512-nodraft", "k4-tp1-b8192-s1024-nodraft", "k6-tp1-b8192-s768-dspark-u080",
                     "rehearse-tp2", "r11-s7-pp8-dspark", "r23-s0-pp4", "r31-s1-pp3", "r23-s3-pp4-dspark",
                     "r31-s2-pp3-dspark", "r49-s0-b16384-s16", "r31-s1-pp3-b16384", "k4-tp1-b8192-s16-nodraft",
-                    "r44-s1-dspark-b16384-s16")
+                    "r44-s1-dspark-b16384-s16", "k6-tp1-serve-defaults-dspark")
 """The fit runs the profile group (``NON_TORCH_TP1``, ``SAMPLER_FP32_VOCAB_COPIES``, ``DSPARK_PROFILE_LOGITS_COPIES``) is
 fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 to 8 layers at 256 to 1024 sequences,
 with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens, stage 1's rank with
@@ -71,7 +71,7 @@ with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``ou
 shapes; the fit says 1.10 (0.92 while DSpark's draft logits were added to the forward's peak; until 2026-12-02 it was
 added to the forward's peak as 2.54 copies, which the KDA layer's own peak, ``kda_forward_peak_bytes_per_token``, now
 explains on the full-width slices)."""
-DSPARK_PROFILE_LOGITS_COPIES = 1.65
+DSPARK_PROFILE_LOGITS_COPIES = 1.64
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
@@ -80,7 +80,7 @@ positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_st
 ``propose`` runs after the target's forward has returned, so these logits peak beside what the forward leaves held
 (the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's (2026-12-03;
 1.18 copies while they were added on top, which put stage 1's rank at 16,384 tokens and 256 sequences 0.46 GiB over)."""
-DRAFT_HIDDEN_COPIES = {"dspark": 5.58, "default": 6}
+DRAFT_HIDDEN_COPIES = {"dspark": 5.61, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
 stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
 ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 4.61 while the draft logits were added on top of the
@@ -98,7 +98,7 @@ CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.38 * MiB), "default": 0}
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.34 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.17 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. DSpark's graphs are its own FULL graphs (sizes in
@@ -109,7 +109,7 @@ TP8 rank and 32,768 tokens; twice that at 65,536). Before that lane was counted 
 none per target graph; its drafter's own graphs are counted instead (``eagle3_draft_graphs``), each at the target's
 per-graph cost (not fitted on an EAGLE3 run)."""
 CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.03 * MiB)}
-CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(8.79 * KiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(9.21 * KiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it, per target attention head on
 the rank (fitted with ``CUDA_GRAPH_PER_GRAPH``, in KiB). vLLM's estimate charges every FULL graph at the second-largest
 one's increment (``_extrapolate_full_graph_memory``); with DSpark the estimate grows with depth at the same graph
@@ -117,14 +117,16 @@ counts, where without a draft it barely does: on TP8 rank slices 11 -> 44 layers
 23 -> 49 layers: 0.20 -> 0.25), and on full-width slices (96 heads, 8 times a TP8 rank's 12) 4 -> 6 -> 8 layers gave
 3.55 -> 3.70 -> 3.82 GiB. Charged per layer alone (until 2026-12-03, eleventh session), the fit put it at the ranks'
 scale (0.10 MiB) and k8-tp1-serve-defaults-dspark's estimate was 0.18 GiB under; per layer and head, a full-width
-layer costs 8 times a rank's. That structure was chosen after k8 had been read: ranks-round11 (7 and 5 layers at
-full width, roles fixed before it runs) scores it."""
+layer costs 8 times a rank's. That structure was chosen after k8 had been read; ranks-round11 scored it out of
+sample (twelfth session): 7 full-width layers at the serve defaults 3.71 / 3.72 GiB, 5 at 4,096 tokens 3.62 / 3.70."""
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark", "k8-tp1-b8192-s512-nodraft",
-                       "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256")
+                       "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256",
+                       "k6-tp1-serve-defaults-dspark")
 """The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
 on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11, 23, 31 and 44 layers, with DSpark and
-without (the 44-layer one, stage 1's rank at 256 sequences, since 2026-12-03)."""
+without (the 44-layer one, stage 1's rank at 256 sequences, since 2026-12-03; the 6-layer slice at the serve
+defaults with DSpark, round 11, since the twelfth session)."""
 CUDA_GRAPH_FITTED_LAYERS = (4, 49)
 """The stage sizes the CUDA-graph constants were fitted on, in local layers with a KV cache (a draft's included, as
 the plan counts them: stage 1's rank with DSpark has 44 + 5); deeper stages are an extrapolation of the per-layer
