@@ -239,7 +239,9 @@ class DeploymentArgs(Section):
             "(bare vLLM's throughput on one H200, docs/benchmarks.md). It needs RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1, "
             "RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_HAPROXY_BINARY_PATH naming kimi-k3-serve-haproxy in every Ray "
             "node's environment before ray start: `kimi-k3-serve render` writes them into the cluster file, and the "
-            "app refuses to start without them. Not with data_parallel_size > 1 yet."
+            "app refuses to start without them. The single-engine GPU configs set it; the default stays false, so a "
+            "config that does not ask serves through our ingress on any Ray cluster. Not with data_parallel_size > 1 "
+            "yet."
         ),
     )
 
