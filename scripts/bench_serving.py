@@ -1291,6 +1291,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
         "parallel_start": True, "warmup_concurrency": 16,
     },
+    # The same shape with a KV cache for all 256 streams at once (nothing waits in the engine's queue), bare vLLM
+    # against direct streaming across two Ray nodes: whether TPOT at 256 is the path's per-token cost or the
+    # engine queue's waves.
+    "h200-llama-8b-256": {
+        "config": "deploy/bench-h200-llama-8b-256.yaml", "make_model": ("llama-3.1-8b", "llama-3.1-8b.json"),
+        "sides": ["vllm", "direct+key+remote"], "concurrency": [1, 8, 64, 256], "rounds": 3,
+        "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
+        "parallel_start": True, "warmup_concurrency": 16,
+    },
     # The Kimi-K3 slice (58.7 GiB of weights at TP1): one side on the GPU at a time, each started once, at the
     # concurrencies a Kimi-K3 replica runs (1 to 32).
     "h200-kimi-slice": {

@@ -184,7 +184,8 @@ def bench_model_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice", "h200-kimi-slice-tp2", "h200-kimi-slice-pp2"])
+@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-llama-8b-256", "h200-kimi-slice", "h200-kimi-slice-tp2",
+                                    "h200-kimi-slice-pp2"])
 def test_gpu_presets_give_every_side_the_same_engine(bench_serving, bench_model_cache, preset):
     """The H200 configs: valid args, bare vLLM's command line parses (vLLM's own parser) into the engine Serve
     gets, with dummy weights and the batch limits `vllm serve` would pick on an H200 set for every side."""
@@ -209,7 +210,8 @@ def test_gpu_presets_give_every_side_the_same_engine(bench_serving, bench_model_
     assert len(tokenizer["model"]["vocab"]) >= config["vocab_size"]  # every id the dummy model emits decodes
 
 
-@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-kimi-slice", "h200-kimi-slice-tp2", "h200-kimi-slice-pp2"])
+@pytest.mark.parametrize("preset", ["h200-llama-8b", "h200-llama-8b-256", "h200-kimi-slice", "h200-kimi-slice-tp2",
+                                    "h200-kimi-slice-pp2"])
 def test_gpu_bench_configs_pass_the_pre_launch_check_on_one_h200(bench_serving, bench_model_cache, preset):
     """What `serve run` checks before it deploys a Serve side: the config fits H200s by the planner."""
     from kimi_k3_serve.cli import main
@@ -220,12 +222,15 @@ def test_gpu_bench_configs_pass_the_pre_launch_check_on_one_h200(bench_serving, 
     assert main(["check", "--config", config, "--cluster", str(REPO_ROOT / "tests/fixtures/check" / cluster)]) == 0
 
 
-def test_the_shared_gpu_is_split_so_every_engine_gets_the_same_kv_cache(bench_serving, bench_model_cache):
-    """With every side up on one H200 (139.80 GiB), the KV cache is fixed, not sized from what is free, and
-    four engines of Llama-3.1-8B (14.96 GiB of weights, per the plan) with it fit with room to spare."""
+@pytest.mark.parametrize("preset, streams_at_once", [("h200-llama-8b", 64), ("h200-llama-8b-256", 256)])
+def test_the_shared_gpu_is_split_so_every_engine_gets_the_same_kv_cache(bench_serving, bench_model_cache, preset,
+                                                                       streams_at_once):
+    """With every side up on one H200 (139.80 GiB), the KV cache is fixed, not sized from what is free, and the
+    engines of Llama-3.1-8B (14.96 GiB of weights, per the plan) with it fit with room to spare; the -256 preset's
+    KV cache holds every stream of its highest concurrency at once (nothing waits in the engine's queue)."""
     from kimi_k3_serve.units import GiB
 
-    settings = bench_serving.PRESETS["h200-llama-8b"]
+    settings = bench_serving.PRESETS[preset]
     engine = bench_serving.engine_from_config(REPO_ROOT / settings["config"])
     kv = engine.engine_kwargs["kv_cache_memory_bytes"]
     engines = len(settings["sides"])
@@ -234,8 +239,9 @@ def test_the_shared_gpu_is_split_so_every_engine_gets_the_same_kv_cache(bench_se
     assert engines * (weights + kv + other) < h200
     # vLLM's start-up check (free >= utilization x total) holds for the last engine to start.
     assert h200 - (engines - 1) * (weights + kv + other) >= engine.engine_kwargs["gpu_memory_utilization"] * h200
-    # 64 requests of 1,280 tokens fit at once (128 KiB of KV per token: 32 layers x 8 KV heads x 128 x 2 x 2 B).
-    assert kv // (128 * 1024) >= 64 * (settings["input_len"] + settings["output_len"])
+    # The streams of 1,280 tokens that fit at once (128 KiB of KV per token: 32 layers x 8 KV heads x 128 x 2 x 2 B).
+    assert kv // (128 * 1024) // (settings["input_len"] + settings["output_len"]) >= streams_at_once
+    assert streams_at_once == 64 or streams_at_once == max(settings["concurrency"])
 
 
 def test_tensor_parallel_override_reaches_both_sides(bench_serving):
