@@ -62,6 +62,8 @@ FIT_RUNS = {
                                 "DSpark's step apart from the target's forward)",
     "r44-s1-dspark-b8192-s256": "the CUDA-graph group (stage 1's rank with DSpark at 256 sequences: 51 sizes, 48 "
                                 "FULL target graphs and 48 of DSpark's own)",
+    "k4-tp1-b4096-s128-dspark": "the profile and CUDA-graph groups (a full-width slice with DSpark at 4,096 tokens "
+                                "and 128 sequences: the profile at a small token budget)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark",
@@ -224,12 +226,21 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
                             (0, w.model_load_bytes if w else None), (0, None), (0, None), (0, None),
                             note=f"the plan now refuses these settings ({error}); vLLM: {refused}")]
     measured = measured_verdict(reading)
-    if not reading.started and reading.oom is None:
-        why = (f"vLLM stopped: {_root_cause(reading.errors)}" if reading.errors
-               else "stopped at the call's deadline while loading: weights only")
-        note = (note + "; " if note else "") + why
     stderr = run_dir / "stderr.txt"
-    if reading.started and stderr.is_file() and "(--timeout)" in stderr.read_text(errors="replace"):
+    timed_out = stderr.is_file() and "(--timeout)" in stderr.read_text(errors="replace")
+    if not reading.started and reading.oom is None:
+        kv_sized = any(w.available_kv_bytes is not None for w in reading.workers)
+        if reading.errors:
+            why = f"vLLM stopped: {_root_cause(reading.errors)}"
+        elif timed_out and kv_sized:
+            # vLLM logged its profile, CUDA-graph estimate and KV cache; the warmup after them never ended
+            why = ("stopped at its --timeout after vLLM sized the KV cache, during kernel warmup: the memory terms "
+                   "are measured, vLLM's verdict is not")
+        else:
+            stopper = "its --timeout" if timed_out else "the call's deadline"
+            why = f"stopped at {stopper} while loading: weights only"
+        note = (note + "; " if note else "") + why
+    if reading.started and timed_out:
         note = ((note + "; " if note else "") + "stopped at its --timeout after vLLM's engine start (KV cache sized, "
                 "CUDA graphs captured, warmup done: vLLM's `init engine` line), while its first generation was "
                 "compiling kernels")

@@ -350,7 +350,7 @@ def test_dspark_draft_logits_peak_apart_from_the_targets_forward(runs) -> None:
     small, large = runs["r44-s1-dspark-b16384-s16"], runs["r44-s1-dspark-u080-b16384-s256"]
     assert (small.role, large.role) == ("fit", "validation")
     assert abs(large.profile[0] - large.profile[1]) <= 0.1 * GiB, large.profile
-    assert large.profile[0] - small.profile[0] <= 0.2 * GiB  # the held buffers alone: 240 x 163,840 x 4 B x 1.10
+    assert large.profile[0] - small.profile[0] <= 0.2 * GiB  # the held buffers alone: 240 x 163,840 x 4 B x 1.09
     assert abs(accuracy.RunAccuracy.error(large.kv)) <= 0.07, large.kv  # -17.8 % before; what is left: CUDA graphs
     step_bound = runs["r44-s1-dspark-b4096-s512"]
     assert step_bound.role == "validation"

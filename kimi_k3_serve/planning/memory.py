@@ -40,9 +40,9 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(380.73 * MiB)
+NON_TORCH_TP1 = int(403.62 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.37 GiB, fitted with
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.39 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
 scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-03; leave-one-out in docs/memory-accuracy.md; the
 llm-d v0.19 H100 sweep had 0.25 GiB).
@@ -56,22 +56,22 @@ PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k
                     "k8-tp1-b8192-s512-nodraft", "k4-tp1-b8192-s1024-nodraft", "k6-tp1-b8192-s768-dspark-u080",
                     "rehearse-tp2", "r11-s7-pp8-dspark", "r23-s0-pp4", "r31-s1-pp3", "r23-s3-pp4-dspark",
                     "r31-s2-pp3-dspark", "r49-s0-b16384-s16", "r31-s1-pp3-b16384", "k4-tp1-b8192-s16-nodraft",
-                    "r44-s1-dspark-b16384-s16", "k6-tp1-serve-defaults-dspark")
+                    "r44-s1-dspark-b16384-s16", "k6-tp1-serve-defaults-dspark", "k4-tp1-b4096-s128-dspark")
 """The fit runs the profile group (``NON_TORCH_TP1``, ``SAMPLER_FP32_VOCAB_COPIES``, ``DSPARK_PROFILE_LOGITS_COPIES``) is
 fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 to 8 layers at 256 to 1024 sequences,
 with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens, stage 1's rank with
 DSpark at 16,384 among them; H200, 2026-11-30 to 2026-12-03;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 1.10
+SAMPLER_FP32_VOCAB_COPIES = 1.09
 """A fitted factor of fp32 ``max_num_seqs x vocab`` tensors held through the last stage's whole profile run, under
 either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds there:
 the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what grows
 with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
 ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py), 1.06 fp32 copies by the code's
-shapes; the fit says 1.10 (0.92 while DSpark's draft logits were added to the forward's peak; until 2026-12-02 it was
+shapes; the fit says 1.09 (0.92 while DSpark's draft logits were added to the forward's peak; until 2026-12-02 it was
 added to the forward's peak as 2.54 copies, which the KDA layer's own peak, ``kda_forward_peak_bytes_per_token``, now
 explains on the full-width slices)."""
-DSPARK_PROFILE_LOGITS_COPIES = 1.64
+DSPARK_PROFILE_LOGITS_COPIES = 1.63
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
@@ -80,7 +80,7 @@ positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_st
 ``propose`` runs after the target's forward has returned, so these logits peak beside what the forward leaves held
 (the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's (2026-12-03;
 1.18 copies while they were added on top, which put stage 1's rank at 16,384 tokens and 256 sequences 0.46 GiB over)."""
-DRAFT_HIDDEN_COPIES = {"dspark": 5.61, "default": 6}
+DRAFT_HIDDEN_COPIES = {"dspark": 5.44, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
 stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
 ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 4.61 while the draft logits were added on top of the
@@ -98,7 +98,7 @@ CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.38 * MiB), "default": 0}
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.17 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.15 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. DSpark's graphs are its own FULL graphs (sizes in
@@ -109,7 +109,7 @@ TP8 rank and 32,768 tokens; twice that at 65,536). Before that lane was counted 
 none per target graph; its drafter's own graphs are counted instead (``eagle3_draft_graphs``), each at the target's
 per-graph cost (not fitted on an EAGLE3 run)."""
 CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.03 * MiB)}
-CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(9.21 * KiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(9.42 * KiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it, per target attention head on
 the rank (fitted with ``CUDA_GRAPH_PER_GRAPH``, in KiB). vLLM's estimate charges every FULL graph at the second-largest
 one's increment (``_extrapolate_full_graph_memory``); with DSpark the estimate grows with depth at the same graph
@@ -122,11 +122,12 @@ sample (twelfth session): 7 full-width layers at the serve defaults 3.71 / 3.72 
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark", "k8-tp1-b8192-s512-nodraft",
                        "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256",
-                       "k6-tp1-serve-defaults-dspark")
+                       "k6-tp1-serve-defaults-dspark", "k4-tp1-b4096-s128-dspark")
 """The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
 on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11, 23, 31 and 44 layers, with DSpark and
 without (the 44-layer one, stage 1's rank at 256 sequences, since 2026-12-03; the 6-layer slice at the serve
-defaults with DSpark, round 11, since the twelfth session)."""
+defaults with DSpark, round 11, since the twelfth session; the 4-layer slice with DSpark at 4,096 tokens and 128
+sequences, round 12, since the thirteenth)."""
 CUDA_GRAPH_FITTED_LAYERS = (4, 49)
 """The stage sizes the CUDA-graph constants were fitted on, in local layers with a KV cache (a draft's included, as
 the plan counts them: stage 1's rank with DSpark has 44 + 5); deeper stages are an extrapolation of the per-layer

@@ -271,6 +271,16 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b4096-s128-dspark", 4, tokens=4096, seqs=128, role="fit", expected_s=200),
         kimi("k5-tp1-b2048-s64-dspark", 5, tokens=2048, seqs=64, role="validation", expected_s=200),
     ],
+    # Roles fixed 2026-12-03 (thirteenth session), after round 12 and the refit it fed (NON_TORCH_TP1 380.73 ->
+    # 403.62 MiB, DSpark's hidden copies 5.61 -> 5.44) and before these run: k8 started again gave the same 0.92 GiB
+    # and 3.82 GiB as its first start, so its miss is the model's. What the refit has not met: the profile at the
+    # smallest budgets on a full-width slice deeper than 5 layers, and stage 1's TP8 rank with DSpark at 2,048 tokens
+    # and 64 sequences (its nearest run, 256 sequences, is 0.09 GiB under). The 4,096-token fit run stopped at its
+    # timeout in kernel warmup after vLLM sized its KV cache (its memory terms measured, vLLM's verdict not): 300 s.
+    "ranks-round13": [
+        kimi("k6-tp1-b2048-s32-dspark", 6, tokens=2048, seqs=32, role="validation", expected_s=240),
+        rank("r44-s1-dspark-b2048-s64", 1, role="validation", tokens=2048, seqs=64, expected_s=240),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
