@@ -225,7 +225,8 @@ replica in the path. Read by Ray Serve when it is imported, in the driver and in
 
 SIDE_OPTIONS = {"key": "the API key on", "tput": "Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on the side's Ray head"}
 DIRECT_OPTIONS = {"key": "the API key on",
-                  "remote": "the LLM replica on a second Ray node, HAProxy on the head: every token crosses nodes"}
+                  "remote": "the LLM replica on a second Ray node, HAProxy on the head: every token crosses nodes",
+                  "tput": SIDE_OPTIONS["tput"]}
 THROUGHPUT_OPTIMIZED_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 """Ray Serve's throughput-optimized mode (``ray/serve/_private/constants.py``): user code and the router on the
 replica's main event loop instead of threads of their own, buffered request logs, gRPC between proxy and
@@ -235,7 +236,8 @@ head of a ``+tput`` side (proxy, controller, replicas)."""
 
 @dataclass(frozen=True)
 class Side:
-    """What a side name says: ``vllm``, ``vllm@ray``, ``direct[+key][+remote]``, or ``serve[@MS][+key][+tput]``."""
+    """What a side name says: ``vllm``, ``vllm@ray``, ``direct[+key][+remote][+tput]``, or
+    ``serve[@MS][+key][+tput]``."""
 
     kind: str
     """vllm, serve or direct."""
@@ -257,7 +259,8 @@ def parse_side(side: str) -> Side:
         return Side("vllm", executor="ray")
     name, *options = side.split("+")
     if name == "direct" and set(options) <= set(DIRECT_OPTIONS) and len(set(options)) == len(options):
-        return Side("direct", api_key="key" in options, remote_replica="remote" in options)
+        return Side("direct", api_key="key" in options, remote_replica="remote" in options,
+                    throughput_optimized="tput" in options)
     if name.partition("@")[0] == "serve" and len(set(options)) == len(options) and set(options) <= set(SIDE_OPTIONS):
         flags = {"api_key": "key" in options, "throughput_optimized": "tput" in options}
         if name == "serve":
@@ -1292,13 +1295,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "parallel_start": True, "warmup_concurrency": 16,
     },
     # The same shape with a KV cache for all 256 streams at once (nothing waits in the engine's queue), bare vLLM
-    # against direct streaming across two Ray nodes: whether TPOT at 256 is the path's per-token cost or the
-    # engine queue's waves.
+    # against direct streaming across two Ray nodes. Measured 2026-12-03 (thirteenth session) with
+    # direct+key+remote: 0.61x throughput and +55 % TPOT at 256, hidden at 12 GiB by the engine's queue. The next
+    # call runs Ray Serve's throughput-optimized mode (the LLM replica's user code on its HTTP server's event loop:
+    # no thread hand-off per SSE chunk, no second thread contending for the GIL) with py-spy on both sides at 256;
+    # KIMI_K3_SERVE_BENCH_SIDES="vllm direct+key+remote" repeats the first run.
     "h200-llama-8b-256": {
         "config": "deploy/bench-h200-llama-8b-256.yaml", "make_model": ("llama-3.1-8b", "llama-3.1-8b.json"),
-        "sides": ["vllm", "direct+key+remote"], "concurrency": [1, 8, 64, 256], "rounds": 3,
+        "sides": ["vllm", "direct+key+remote+tput"], "concurrency": [1, 8, 64, 256], "rounds": 3,
         "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
-        "parallel_start": True, "warmup_concurrency": 16,
+        "parallel_start": True, "warmup_concurrency": 16, "profile_concurrency": 256,
+        "profile_sides": ["direct+key+remote+tput", "vllm"],
     },
     # The Kimi-K3 slice (58.7 GiB of weights at TP1): one side on the GPU at a time, each started once, at the
     # concurrencies a Kimi-K3 replica runs (1 to 32).

@@ -80,7 +80,10 @@ def test_serving_sides_build_valid_args(bench_serving):
     assert bench_serving.parse_side("direct+key") == bench_serving.Side("direct", api_key=True)
     assert bench_serving.parse_side("direct+remote+key") == bench_serving.Side("direct", api_key=True,
                                                                               remote_replica=True)
-    for bad in ("serve@-1", "serve@x", "ray", "vllm@5", "direct@50", "direct+tput", "direct+key+key", "vllm+key",
+    # Ray Serve's throughput-optimized mode under direct streaming: the replica's user code on its HTTP loop
+    assert bench_serving.parse_side("direct+key+remote+tput") == bench_serving.Side(
+        "direct", api_key=True, remote_replica=True, throughput_optimized=True)
+    for bad in ("serve@-1", "serve@x", "ray", "vllm@5", "direct@50", "direct+tput+tput", "direct+key+key", "vllm+key",
                 "serve@x+key", "key", "serve+remote", "direct+remote+remote"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_serving.parse_side(bad)
@@ -599,6 +602,57 @@ def test_the_recorded_ray_executor_and_two_node_run_rebuilds_to_what_the_benchma
     assert "'distributed_executor_backend': 'ray'" in (folder / "server-vllm@ray.log").read_text()
     assert (folder / "summary.md").read_text() == (H200_LLAMA_RAY_REMOTE_BENCH / "summary.md").read_text()
     assert not (H200_LLAMA_RAY_REMOTE_BENCH / "api-key").exists()
+
+
+H200_LLAMA_256_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-03-h200-llama-256"
+
+
+def test_the_recorded_256_streams_at_once_run_rebuilds_to_what_the_benchmarks_page_says(bench_serving, tmp_path):
+    """Llama-3.1-8B's shape on one H200 with each engine's KV cache at 42 GiB, so all 256 streams fit at once
+    (2026-12-03, the ``h200-llama-8b-256`` preset; docs/benchmarks.md): bare vLLM against direct streaming with the key
+    across two Ray nodes, both up together. With nothing left waiting for KV cache at 256, the direct path falls to
+    0.61x of bare vLLM's throughput and +55 % TPOT p50 (ITL p50 1.45x), below bare vLLM in each of the three rounds;
+    at 1, 8 and 64 it stays at 0.97x-1.01x. The earlier 12 GiB runs, where only about 76 streams ran at once, showed
+    1.01x-1.02x at 256."""
+    import re
+    import shutil
+
+    folder = tmp_path / "bench"
+    shutil.copytree(H200_LLAMA_256_BENCH, folder)
+    assert bench_serving.resummarise(folder, None) == 0
+    summary = json.loads((folder / "summary.json").read_text())
+    assert not summary["meta"]["failed_sides"] and not summary["meta"].get("skipped")
+    goals = {(g["side"], g["concurrency"]): g for g in summary["goals"]}
+    assert set(goals) == {("direct+key+remote", c) for c in (1, 8, 64, 256)}
+    remote = {c: goals[("direct+key+remote", c)] for c in (1, 8, 64, 256)}
+    assert [round(remote[c]["throughput_ratio"], 2) for c in (1, 8, 64, 256)] == [1.01, 0.99, 0.97, 0.61]
+    assert round(remote[1]["ttft_p50_overhead_ms"], 1) == -0.2 and round(remote[8]["ttft_p50_overhead_ms"], 1) == 11.1
+    assert [round(100 * remote[c]["tpot_p50_overhead"], 1) for c in (1, 8, 64, 256)] == [-0.9, 0.0, 2.1, 55.2]
+    assert [round(remote[c]["itl_p50_ratio"], 2) for c in (1, 8, 64, 256)] == [0.99, 1.00, 1.00, 1.45]
+    assert [remote[c]["itl_met"] for c in (1, 8, 64, 256)] == [True, True, True, False]
+
+    def at_256(side: str, key: str) -> list:
+        return [json.loads((folder / f"{side}-c256-r{r}.json").read_text())[key] for r in range(3)]
+
+    for direct, bare in zip(at_256("direct+key+remote", "output_throughput"), at_256("vllm", "output_throughput")):
+        assert direct < bare  # in every round, not only in the medians
+    assert at_256("vllm", "max_concurrent_requests") == [256, 256, 256]  # the client's streams in flight
+    kv_tokens = re.search(r"GPU KV cache size: ([\d,]+) tokens", (folder / "server-vllm.log").read_text())
+    assert int(kv_tokens.group(1).replace(",", "")) >= 256 * (1024 + 256)  # the engine holds every stream at once
+    placement = (folder / "server-direct+key+remote.log").read_text()
+    assert "REMOTE REPLICA: the LLM replica's bundles on Ray node(s) " in placement
+    assert (folder / "summary.md").read_text() == (H200_LLAMA_256_BENCH / "summary.md").read_text()
+    assert not (H200_LLAMA_256_BENCH / "api-key").exists()
+
+
+def test_the_engine_metrics_bench_prices_both_paths_of_one_observation(capsys):
+    """scripts/bench_engine_metrics.py observes vLLM's inter-token-latency histogram through prometheus_client and
+    through Ray's metrics API (a Ray instance of its own, never a running one) and prints each one's cost."""
+    assert load_script("bench_engine_metrics").main(["--count", "200", "--rounds", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " us per observation; " in line]
+    assert [line.split(":")[0] for line in lines] == ["vLLM's prometheus_client histogram (bare vllm serve)",
+                                                       "Ray's metrics API (RayHistogramWrapper, Ray Serve LLM's default)"]
+    assert all(float(line.split(": ")[1].split(" us")[0]) > 0 for line in lines)
 
 
 def test_ratios_compare_the_rounds_both_sides_ran(bench_serving):
