@@ -57,7 +57,9 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "r44-s1-dspark-l131072-s20 1.98 / 2.10 (-0.12). Since DSpark's per-layer term is charged per "
                    "target head on the rank (eleventh session, a structure chosen after k8 was read): k8 3.75 / 3.82 "
                    "(-0.07), b200-r43-s1-dspark 1.70 / 1.81 (-0.11), r44-s1-dspark-l131072-s20 1.99 / 2.10 (-0.11), "
-                   "llama-3.1-8b-tp1-b16384-s1024 0.78 / 0.92 (-0.14); the band stays")
+                   "llama-3.1-8b-tp1-b16384-s1024 0.78 / 0.92 (-0.14); k8 started again (thirteenth session) "
+                   "logged the same 3.82 GiB, so its -0.06 GiB is the model's, not one start's spread; the band "
+                   "stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 

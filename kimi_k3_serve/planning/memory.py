@@ -118,7 +118,9 @@ counts, where without a draft it barely does: on TP8 rank slices 11 -> 44 layers
 3.55 -> 3.70 -> 3.82 GiB. Charged per layer alone (until 2026-12-03, eleventh session), the fit put it at the ranks'
 scale (0.10 MiB) and k8-tp1-serve-defaults-dspark's estimate was 0.18 GiB under; per layer and head, a full-width
 layer costs 8 times a rank's. That structure was chosen after k8 had been read; ranks-round11 scored it out of
-sample (twelfth session): 7 full-width layers at the serve defaults 3.71 / 3.72 GiB, 5 at 4,096 tokens 3.62 / 3.70."""
+sample (twelfth session): 7 full-width layers at the serve defaults 3.71 / 3.72 GiB, 5 at 4,096 tokens 3.62 / 3.70;
+ranks-round12 (thirteenth): 5 at 2,048 tokens and 64 sequences 3.41 / 3.52, and k8 started again logged the same
+3.82 GiB as its first start (plan 3.76): that miss is the model's, inside the CUDA-graph band."""
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark", "k8-tp1-b8192-s512-nodraft",
                        "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256",
