@@ -58,8 +58,12 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "target head on the rank (eleventh session, a structure chosen after k8 was read): k8 3.75 / 3.82 "
                    "(-0.07), b200-r43-s1-dspark 1.70 / 1.81 (-0.11), r44-s1-dspark-l131072-s20 1.99 / 2.10 (-0.11), "
                    "llama-3.1-8b-tp1-b16384-s1024 0.78 / 0.92 (-0.14); k8 started again (thirteenth session) "
-                   "logged the same 3.82 GiB, so its -0.06 GiB is the model's, not one start's spread; the band "
-                   "stays")
+                   "logged the same 3.82 GiB, so its -0.06 GiB is the model's, not one start's spread. Read from "
+                   "vLLM 0.32's code (v1/worker/gpu/cudagraph_utils.py, profile_cudagraph_memory and "
+                   "_extrapolate_full_graph_memory): the estimate takes the first FULL graph's drop in free device "
+                   "memory plus (FULL graphs - 1) times the second one's, and that drop comes in the caching "
+                   "allocator's whole 2 MiB blocks, so at k8's 48 FULL graphs the estimate moves in steps of 94 MiB "
+                   "(0.09 GiB) that no smooth model predicts; the band spans two steps and stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 
