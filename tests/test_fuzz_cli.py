@@ -1,9 +1,11 @@
 """Property-based fuzz of the command line: whatever the arguments and whatever the files they name, every
 command answers 0, 1 or 2, bad input is exactly one ``error:`` line, nothing raises past ``cli.main`` (it would
-reach the user as a traceback), every example is answered within 2 s (the deadline), and no temp file is left.
+reach the user as a traceback), and no temp file is left. How fast a command answers is benchmarked, not timed
+here (docs/benchmarks.md, "Planner speed"): a 2 s deadline per example failed on a busy 2-core machine (2026-12-03,
+`check --plot` in 2.4 s).
 
 Deterministic and bounded, so that CI pays a fixed price (about 30 s on 2 cores): ``derandomize=True`` (the same
-examples every run), ``max_examples`` per command, a 2 s ``deadline`` per example. ``rehearse`` always gets
+examples every run), ``max_examples`` per command, no deadline per example. ``rehearse`` always gets
 ``--dry-run`` (it must never start an engine here) and ``check`` only ``--cluster`` (no network).
 """
 
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 from conftest import REPO_ROOT
 from kimi_k3_serve import cli
 
-CLI_FUZZ = settings(derandomize=True, max_examples=100, deadline=2000, database=None,
+CLI_FUZZ = settings(derandomize=True, max_examples=100, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 GOOD_CONFIG = str(REPO_ROOT / "deploy" / "config.yaml")
@@ -150,7 +152,7 @@ WARM_UP = [["plan", "--model", "kimi-k3", "--gpu", "H200", "--nodes", "2", "--ma
            ["render", "--config", GOOD_CONFIG, "--format", "kuberay"],
            ["rehearse", "--config", GOOD_CONFIG, "--dry-run"]]
 """Run once before the fuzz: the first import of the planner, matplotlib or Ray's schema takes seconds on a busy
-machine, which the 2 s deadline per example is not about."""
+machine; the examples then measure the commands, not the imports."""
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,10 @@ GOOD_CLUSTERS = [
     )
 ]
 
-# Deterministic and bounded for CI: the same examples every run (derandomize), a fixed number of them, and the 2 s
-# a bad input may take to be refused as the deadline of each.
-FUZZ = settings(max_examples=300, deadline=2000, derandomize=True, database=None,
+# Deterministic and bounded for CI: the same examples every run (derandomize) and a fixed number of them. No deadline
+# per example: how fast a bad input is refused is benchmarked, not timed here (a 2 s deadline failed the CLI fuzz on a
+# busy 2-core machine, 2026-12-03).
+FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 FILE_FUZZ = settings(FUZZ, max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
