@@ -668,3 +668,32 @@ def test_ratios_compare_the_rounds_both_sides_ran(bench_serving):
     assert side.median("output_throughput", paired) / base.median("output_throughput", paired) == pytest.approx(0.99)
     assert side.median("output_throughput") / base.median("output_throughput") < 0.8  # what the unpaired median said
     assert bench_serving.paired_rounds(Cell("a", 1, [{"x": 1}]), Cell("vllm", 1, [{"x": 1}])) is None
+
+
+CPU_DIRECT_TPUT_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-03-cpu-direct-tput"
+
+
+def test_the_recorded_cpu_run_of_direct_streaming_with_throughput_mode_rebuilds_to_what_the_benchmarks_page_says(
+        bench_serving, tmp_path):
+    """deploy/dev.yaml's tiny Llama + EAGLE3 at TP1 on this 2-core machine (2026-12-03, docs/benchmarks.md, "Direct
+    streaming under Ray Serve's throughput-optimized mode, on 2 cores"): bare vLLM against direct streaming with the key,
+    with and without RAY_SERVE_THROUGHPUT_OPTIMIZED, one side up at a time, at concurrency 64, with py-spy on each
+    side's serving processes. CPU-bound: on 2 cores the throughput-optimized side was the slower one (0.49x against
+    0.72x) and its LLM replica spent more CPU per request, not less; the H200 call decides."""
+    import shutil
+
+    folder = tmp_path / "bench"
+    shutil.copytree(CPU_DIRECT_TPUT_BENCH, folder)
+    assert bench_serving.resummarise(folder, None) == 0
+    summary = json.loads((folder / "summary.json").read_text())
+    assert not summary["meta"]["failed_sides"]
+    rows = {row["side"]: row for row in summary["rows"]}
+    assert set(rows) == {"vllm", "direct+key", "direct+key+tput"}
+    assert [round(rows[side]["output_throughput_ratio"], 2) for side in ("direct+key", "direct+key+tput")] == [0.72, 0.49]
+    cpu = {side: rows[side]["cpu_ms_per_request"] for side in rows}
+    assert round(cpu["vllm"]["api server"], 1) == 47.8
+    assert [round(cpu[side]["llm replica"], 1) for side in ("direct+key", "direct+key+tput")] == [74.1, 106.9]
+    for side in ("direct+key", "direct+key+tput"):
+        assert (folder / "profile" / f"{side}-c64.json").is_file()
+    assert (folder / "summary.md").read_text() == (CPU_DIRECT_TPUT_BENCH / "summary.md").read_text()
+    assert not (CPU_DIRECT_TPUT_BENCH / "api-key").exists()
