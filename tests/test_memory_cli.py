@@ -82,14 +82,14 @@ def test_bad_input_exits_2_and_names_the_flag(capsys, argv, flag) -> None:
     ("qwen3-30b-a3b.json", ["--tp", "4", "--ep"]), ("llama-3.1-8b.json", []), ("qwen2-7b.json", ["--tp", "2"]),
     ("tiny-llama.json", []),
 ])
-def test_every_family_answers_quickly(capsys, fixture, args) -> None:
+def test_every_family_answers(capsys, fixture, args) -> None:
+    """How long it takes is printed, not timed: timed bounds fail on a busy CI runner (docs/benchmarks.md measures it)."""
     start = time.perf_counter()
     # 2048: within every fixture's positions (tiny-llama has 2048; a longer length is bad input)
     code, out, _ = run_cli(capsys, "--gpu", "H200", "--model", str(FIXTURES / fixture), "--max-model-len", "2048", *args, "--json")
     took = time.perf_counter() - start
     print(f"\n{fixture}: {took * 1e3:.1f} ms in-process")
     assert code == 0 and json.loads(out)["fits"] is True
-    assert took < 1.0
 
 
 def test_console_script_wall_time() -> None:
