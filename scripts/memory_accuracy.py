@@ -238,7 +238,8 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
                    "are measured, vLLM's verdict is not")
         else:
             stopper = "its --timeout" if timed_out else "the call's deadline"
-            why = f"stopped at {stopper} while loading: weights only"
+            where = "while loading" if reading.last_step in ("start", "load") else f"in vLLM's {reading.last_step} step"
+            why = f"stopped at {stopper} {where}: weights only"
         note = (note + "; " if note else "") + why
     if reading.started and timed_out:
         note = ((note + "; " if note else "") + "stopped at its --timeout after vLLM's engine start (KV cache sized, "

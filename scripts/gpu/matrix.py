@@ -279,7 +279,8 @@ SETS: dict[str, list[Job]] = {
     # timeout in kernel warmup after vLLM sized its KV cache (its memory terms measured, vLLM's verdict not): 300 s.
     "ranks-round13": [
         kimi("k6-tp1-b2048-s32-dspark", 6, tokens=2048, seqs=32, role="validation", expected_s=240),
-        rank("r44-s1-dspark-b2048-s64", 1, role="validation", tokens=2048, seqs=64, expected_s=240),
+        # 254 s on a fresh host reached only the CUDA-graph estimate (fifteenth session): give it a whole call
+        rank("r44-s1-dspark-b2048-s64", 1, role="validation", tokens=2048, seqs=64, expected_s=420),
     ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
