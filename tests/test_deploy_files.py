@@ -447,7 +447,8 @@ def test_no_shipped_cluster_file_exposes_rays_control_plane(cluster_file):
 
 # --- args.deployment.direct_streaming: every node's environment, in the rendered files -------------------------------
 
-DIRECT_ENV = ("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH")
+DIRECT_ENV = ("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH",
+              "RAY_SERVE_THROUGHPUT_OPTIMIZED")
 
 
 def _direct_streaming_config(tmp_path: Path, source: str = "config.yaml") -> Path:
@@ -461,7 +462,7 @@ def _direct_streaming_config(tmp_path: Path, source: str = "config.yaml") -> Pat
 def test_shipped_cluster_files_start_direct_streaming_exactly_where_their_config_asks(cluster_file):
     """The single-engine GPU configs serve through direct streaming (bare vLLM's throughput on the H200, across two
     Ray nodes); the wide-EP ones cannot yet (DP) and stay on our ingress. Each rendered file starts every node with
-    the three variables when, and only when, its config sets it."""
+    the four variables when, and only when, its config sets it."""
     text = cluster_file.read_text()
     config = REPO / _option(_render_command(cluster_file), "--config")
     args = load_serve_app(config).args
@@ -505,7 +506,8 @@ def test_direct_streaming_sets_every_kuberay_pods_environment(tmp_path):
         (container,) = pod["spec"]["containers"]
         assert {e["name"]: e["value"] for e in container["env"]} == {
             "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-            "RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/kimi-k3-serve/bin/kimi-k3-serve-haproxy"}
+            "RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/kimi-k3-serve/bin/kimi-k3-serve-haproxy",
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
     # deploy/Dockerfile installs the package into that venv
     assert "python3.12 -m venv /opt/kimi-k3-serve" in (REPO / "deploy" / "Dockerfile").read_text()
     assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])] == [8265, 8000]
