@@ -282,6 +282,13 @@ SETS: dict[str, list[Job]] = {
         # 254 s on a fresh host reached only the CUDA-graph estimate (fifteenth session): give it a whole call
         rank("r44-s1-dspark-b2048-s64", 1, role="validation", tokens=2048, seqs=64, expected_s=420),
     ],
+    # Roles fixed 2026-12-04 (sixteenth session), after round 13 and before this runs. Stage 1's rank at 2,048 tokens
+    # and 64 sequences came within -0.19 % of vLLM's KV pool; stage 0's rank has not run below 2,048 x 512, where
+    # the profile is smallest and the CUDA-graph estimate the largest share of what is not KV. A whole call: 324 s
+    # for its stage-1 twin on a fresh host.
+    "ranks-round14": [
+        rank("r49-s0-b2048-s64", 0, role="validation", tokens=2048, seqs=64, expected_s=420),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
