@@ -71,6 +71,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The ``+tput`` sides set on their whole Ray head what `render` sets on every direct-streaming node.
+from kimi_k3_serve.clusterfiles.render import THROUGHPUT_OPTIMIZED_ENV
+
 # Ray's loopback mode, set before anything imports Ray: on Linux Ray turns 127.0.0.1 into the machine's outward
 # address, so this script's Ray head (GCS, raylets, workers) would listen where other machines reach it.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -227,11 +230,6 @@ SIDE_OPTIONS = {"key": "the API key on", "tput": "Ray Serve's RAY_SERVE_THROUGHP
 DIRECT_OPTIONS = {"key": "the API key on",
                   "remote": "the LLM replica on a second Ray node, HAProxy on the head: every token crosses nodes",
                   "tput": SIDE_OPTIONS["tput"]}
-THROUGHPUT_OPTIMIZED_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-"""Ray Serve's throughput-optimized mode (``ray/serve/_private/constants.py``): user code and the router on the
-replica's main event loop instead of threads of their own, buffered request logs, gRPC between proxy and
-replicas, direct ingress, GC frozen after start. Read when Ray Serve is imported, so it is set for the whole Ray
-head of a ``+tput`` side (proxy, controller, replicas)."""
 
 
 @dataclass(frozen=True)

@@ -328,15 +328,22 @@ IMAGE_HAPROXY = "/opt/kimi-k3-serve/bin/kimi-k3-serve-haproxy"
 """The console script in the GPU image's venv (deploy/Dockerfile)."""
 
 
+THROUGHPUT_OPTIMIZED_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+"""Ray Serve's throughput-optimized mode (``ray/serve/_private/constants.py``): user code and the router on the
+replica's own event loop, buffered request logs, gRPC between proxy and replicas, GC frozen after start. Read when
+Ray Serve is imported, so it is set for the whole node (proxy, controller, replicas)."""
+
+
 def direct_streaming_env(haproxy: str) -> dict[str, str]:
     """What Ray Serve LLM's direct streaming needs in a node's environment before ``ray start``: the mode, Ray's
     HAProxy in front, and HAProxy's stats and metrics ports on loopback (``serving.haproxy_loopback``).
 
     Ray Serve's throughput-optimized mode too: on the H200 with 256 streams in the KV cache at once, direct
-    streaming gave 1.02x of bare vLLM's throughput with it and 0.61x without, and TTFT at 8 streams -7.6 ms against
-    +11.1 ms (docs/benchmarks.md, 2026-12-03). It also sends Serve's logs to its log files only, not to stderr."""
+    streaming gave 0.966x of bare vLLM's throughput with it (median of 3 rounds; 0.99x-1.00x at 1 to 64 streams) and
+    0.61x without, and TTFT at 8 streams +4.8 ms against +11.1 ms (docs/benchmarks.md, 2026-12-03 and 04). It also
+    sends Serve's logs to its log files only, not to stderr."""
     return {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-            "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+            "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy, **THROUGHPUT_OPTIMIZED_ENV}
 
 
 def render(request: ClusterFileRequest) -> str:
