@@ -844,6 +844,17 @@ def short_frame(frame: str) -> str:
     return f"{name} ({path}" if path else name
 
 
+def profile_stacks(raw: Path) -> list[tuple[list[str], int]]:
+    """py-spy's raw output (one ``frame;frame;... count`` line per distinct stack): each stack's frames, root
+    first, and its sample count."""
+    stacks = []
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            stacks.append((stack.split(";"), int(count)))
+    return stacks
+
+
 def summarise_profile(raw: Path, top: int = 12) -> dict[str, Any]:
     """py-spy's raw output (one ``frame;frame;... count`` line per distinct stack, idle stacks left out): how
     many samples, whose code was running (the leaf frame's owner), how many samples had our code anywhere on the
@@ -853,12 +864,7 @@ def summarise_profile(raw: Path, top: int = 12) -> dict[str, Any]:
     by_leaf: dict[str, int] = {}
     ours_inclusive = 0
     by_ours: dict[str, int] = {}
-    for line in raw.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
-        frames = stack.split(";")
+    for frames, n in profile_stacks(raw):
         samples += n
         leaf = frames[-1]
         by_owner[owner_of(leaf)] = by_owner.get(owner_of(leaf), 0) + n
