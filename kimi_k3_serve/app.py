@@ -68,6 +68,10 @@ def build_app(args: dict[str, Any]):
                           "set only where the Ray nodes were started with RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 and "
                           "RAY_SERVE_ENABLE_HA_PROXY=1 (`kimi-k3-serve render` writes them into the cluster file); "
                           "false serves through our ingress")
+    if validated.deployment.engine_metrics == "vllm" and not direct_streaming_on():
+        raise ConfigError("args.deployment.engine_metrics", "vllm",
+                          "ray on our ingress path, where nothing serves vLLM's /metrics; vllm only under direct "
+                          "streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 on the Ray nodes)")
     if direct_streaming_on():
         # Ray Serve LLM's direct streaming (the Ray nodes' RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1): the LLM replica
         # is the ingress and serves vLLM's own app, which HAProxy reaches directly; Ray refuses an ingress class
@@ -161,6 +165,9 @@ def llm_config_of(args: ServeArgs):
         deployment_config=deployment_config(args),
         runtime_env={"env_vars": vllm.env_vars},
         experimental_configs=experimental_configs(args),
+        # "vllm": Ray Serve LLM installs no RayPrometheusStatLogger, and vLLM's own logger fills the registry that
+        # vLLM's app serves at /metrics (the endpoint under direct streaming).
+        log_engine_metrics=args.deployment.engine_metrics == "ray",
         server_cls=LLMServer,
         callback_config=replica_callback_config(resolved),
     )

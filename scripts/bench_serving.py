@@ -229,12 +229,14 @@ replica in the path. Read by Ray Serve when it is imported, in the driver and in
 SIDE_OPTIONS = {"key": "the API key on", "tput": "Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on the side's Ray head"}
 DIRECT_OPTIONS = {"key": "the API key on",
                   "remote": "the LLM replica on a second Ray node, HAProxy on the head: every token crosses nodes",
-                  "tput": SIDE_OPTIONS["tput"]}
+                  "tput": SIDE_OPTIONS["tput"],
+                  "vllmmetrics": "the deploy config's deployment.engine_metrics: vllm (vLLM's own Prometheus logger, "
+                                 "served at the endpoint's /metrics) instead of Ray's metrics API"}
 
 
 @dataclass(frozen=True)
 class Side:
-    """What a side name says: ``vllm``, ``vllm@ray``, ``direct[+key][+remote][+tput]``, or
+    """What a side name says: ``vllm``, ``vllm@ray``, ``direct[+key][+remote][+tput][+vllmmetrics]``, or
     ``serve[@MS][+key][+tput]``."""
 
     kind: str
@@ -247,6 +249,8 @@ class Side:
     throughput_optimized: bool = False
     remote_replica: bool = False
     """``direct+remote``: the LLM replica on a second Ray node, HAProxy on the head (``two_node_cluster``)."""
+    vllm_metrics: bool = False
+    """``direct+vllmmetrics``: ``deployment.engine_metrics: vllm`` (no RayPrometheusStatLogger in the replica)."""
 
 
 def parse_side(side: str) -> Side:
@@ -258,7 +262,7 @@ def parse_side(side: str) -> Side:
     name, *options = side.split("+")
     if name == "direct" and set(options) <= set(DIRECT_OPTIONS) and len(set(options)) == len(options):
         return Side("direct", api_key="key" in options, remote_replica="remote" in options,
-                    throughput_optimized="tput" in options)
+                    throughput_optimized="tput" in options, vllm_metrics="vllmmetrics" in options)
     if name.partition("@")[0] == "serve" and len(set(options)) == len(options) and set(options) <= set(SIDE_OPTIONS):
         flags = {"api_key": "key" in options, "throughput_optimized": "tput" in options}
         if name == "serve":
@@ -292,7 +296,7 @@ def side_args(raw_args: dict[str, Any], side: str, api_key_file: Path | None = N
     if spec.api_key and api_key_file is None:
         raise ValueError(f"side {side}: needs the API key file")
     requires_key = bool((raw_args.get("security") or {}).get("require_api_key"))
-    if spec.batching_interval_ms is None and not spec.api_key and not requires_key:
+    if spec.batching_interval_ms is None and not spec.api_key and not requires_key and not spec.vllm_metrics:
         return raw_args
     changed = dict(raw_args)
     if not spec.api_key and requires_key:
@@ -303,6 +307,8 @@ def side_args(raw_args: dict[str, Any], side: str, api_key_file: Path | None = N
     if spec.api_key:
         changed["security"] = dict(raw_args.get("security") or {}, api_key_file=str(api_key_file),
                                    require_api_key=True)
+    if spec.vllm_metrics:
+        changed["deployment"] = dict(changed.get("deployment") or {}, engine_metrics="vllm")
     return changed
 
 
@@ -500,6 +506,30 @@ def wait_ready(side: RunningSide, model_id: str, timeout_s: float = READY_TIMEOU
         json.loads(response.read())
     side.ready_s = time.monotonic() - side.started_s
     print(f"[{side.name}] ready after {side.ready_s:.0f} s", flush=True)
+
+
+GENERATED_TOKENS_SERIES = "vllm:generation_tokens_total"
+"""vLLM's counter of generated tokens (``PrometheusStatLogger``), as its ``/metrics`` exposes it."""
+
+
+def scrape_engine_metrics(side: RunningSide, out: Path) -> dict[str, Any]:
+    """``GET /metrics`` with the side's key, as a Prometheus scraper of the endpoint would: how many ``vllm:``
+    metrics it serves and the generated tokens counted so far (the body kept as ``metrics-SIDE.prom``). Bare vLLM
+    serves its engine's; a ``+vllmmetrics`` side serves them on the endpoint instead of through Ray's metrics API."""
+    request = urllib.request.Request(side.base_url + "/metrics", headers=side.headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            status, body = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code, "vllm_metrics": 0, "generated_tokens": None}
+    except (urllib.error.URLError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    (out / f"metrics-{side.name}.prom").write_text(body)
+    samples = [line for line in body.splitlines() if line.startswith("vllm:")]
+    tokens = [float(line.rsplit(" ", 1)[1]) for line in samples if line.startswith(GENERATED_TOKENS_SERIES + "{")
+              or line.startswith(GENERATED_TOKENS_SERIES + " ")]
+    return {"status": status, "vllm_metrics": len({line.split("{")[0].split(" ")[0] for line in samples}),
+            "generated_tokens": sum(tokens) if tokens else None}
 
 
 def stop_side(side: RunningSide, grace_s: float = 90) -> None:
@@ -1303,21 +1333,24 @@ PRESETS: dict[str, dict[str, Any]] = {
     # direct+key+remote: 0.61x throughput and +55 % TPOT at 256, hidden at 12 GiB by the engine's queue. The next
     # call runs Ray Serve's throughput-optimized mode (the LLM replica's user code on its HTTP server's event loop:
     # no thread hand-off per SSE chunk, no second thread contending for the GIL) with py-spy on both sides at 256;
-    # KIMI_K3_SERVE_BENCH_SIDES="vllm direct+key+remote" repeats the first run.
+    # KIMI_K3_SERVE_BENCH_SIDES="vllm direct+key+remote" repeats the first run. Measured 2026-12-04 (sixteenth
+    # session) with direct+key+remote+tput: 0.966x at 256, where py-spy put Ray's metrics API (vLLM's stat logger
+    # under log_engine_metrics) at 10.4 % of the replica's samples; +vllmmetrics is the side without it.
     "h200-llama-8b-256": {
         "config": "deploy/bench-h200-llama-8b-256.yaml", "make_model": ("llama-3.1-8b", "llama-3.1-8b.json"),
-        "sides": ["vllm", "direct+key+remote+tput"], "concurrency": [1, 8, 64, 256], "rounds": 3,
+        "sides": ["vllm", "direct+key+remote+tput+vllmmetrics"], "concurrency": [1, 8, 64, 256], "rounds": 3,
         "input_len": 1024, "output_len": 256, "prompts_per_concurrency": 1, "min_prompts": 2,
         "parallel_start": True, "warmup_concurrency": 16, "profile_concurrency": 256,
-        "profile_sides": ["direct+key+remote+tput", "vllm"],
+        "profile_sides": ["direct+key+remote+tput+vllmmetrics", "vllm"],
     },
     # The Kimi-K3 slice (58.7 GiB of weights at TP1): one side on the GPU at a time, each started once, at the
-    # concurrencies a Kimi-K3 replica runs (1 to 32).
+    # concurrencies a Kimi-K3 replica runs (1 to 32). The served side is what the GPU configs and cluster files
+    # start: direct streaming with the key, the replica on a second Ray node, the throughput-optimized mode.
     "h200-kimi-slice": {
-        "config": "deploy/bench-h200-kimi-slice.yaml", "sides": ["vllm", "serve+key", "direct+key"],
+        "config": "deploy/bench-h200-kimi-slice.yaml", "sides": ["vllm", "direct+key+remote+tput+vllmmetrics"],
         "concurrency": [1, 8, 32], "rounds": 3, "input_len": 1024, "output_len": 256,
         "prompts_per_concurrency": 1, "min_prompts": 2, "sequential": True, "warmup_concurrency": 16,
-        "profile_concurrency": 32, "profile_sides": ["serve+key", "direct+key"],
+        "profile_concurrency": 32, "profile_sides": ["direct+key+remote+tput+vllmmetrics", "vllm"],
     },
     # The layouts of the slice on 2 x H200 (what each layout costs): TP2 on one node against PP2, each against
     # bare vLLM with the same engine; one side on the GPUs at a time.
@@ -1510,6 +1543,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             wait_ready(side, engine.model_id, timeout_s=max(30.0, min(READY_TIMEOUT_S, left() - 30)))
             meta.setdefault("ready_s", {}).setdefault(side.name, []).append(round(side.ready_s or 0, 1))
+            scraped = meta.setdefault("engine_metrics", {})[side.name] = scrape_engine_metrics(side, out)
+            print(f"[{side.name}] /metrics: {scraped}", flush=True)
             return True
         except Exception as exc:  # exited, timed out, or the first request failed
             print(f"[{side.name}] did not start: {str(exc)[:2000]}", flush=True)

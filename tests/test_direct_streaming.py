@@ -167,6 +167,13 @@ def test_build_app_under_direct_streaming_carries_the_guards_to_the_llm_replica(
                                                             "max_choices": 8}
     assert llm_config.experimental_configs.get("stream_batching_interval_ms") == 0
     assert KEY not in repr(llm_config)
+    assert llm_config.log_engine_metrics  # engine_metrics: ray, Ray Serve LLM's default
+    # engine_metrics: vllm -- no RayPrometheusStatLogger: vLLM's own logger fills what its app serves at /metrics
+    vllm_metrics = build_app({**raw, "deployment": {**(raw.get("deployment") or {}), "engine_metrics": "vllm"}})
+    (llm_config,) = [v for v in (*vllm_metrics._bound_deployment.init_args,
+                                 *vllm_metrics._bound_deployment.init_kwargs.values())
+                     if hasattr(v, "experimental_configs")]
+    assert llm_config.log_engine_metrics is False and not llm_config.engine_kwargs.get("disable_log_stats")
     # the default path (direct streaming off) still has our ingress in front
     monkeypatch.setattr(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", False)
     assert "OpenAiErrorsIngress" in build_app(raw)._bound_deployment.func_or_class.__name__ or \
@@ -207,11 +214,35 @@ def test_a_config_asking_for_direct_streaming_on_nodes_started_without_it_is_ref
         build_app({**raw, "deployment": {**(raw.get("deployment") or {}), "direct_streaming": True}})
 
 
+def test_engine_metrics_from_vllm_need_direct_streaming_and_log_stats(monkeypatch):
+    """On our ingress path nothing serves vLLM's /metrics, so ``engine_metrics: vllm`` would send the engine
+    metrics nowhere: refused in one line. ``disable_log_stats`` would turn them off under either setting."""
+    from ray.llm._internal.serve.core.ingress import builder
+
+    from conftest import REPO_ROOT
+    from kimi_k3_serve.app import build_app
+    from kimi_k3_serve.config.args import load_args
+    from kimi_k3_serve.config.serve_config import load_serve_app
+    from kimi_k3_serve.errors import ConfigError
+
+    monkeypatch.setattr(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", False)
+    raw = load_serve_app(REPO_ROOT / "deploy" / "dev.yaml").raw_args
+    deployment = {**(raw.get("deployment") or {}), "engine_metrics": "vllm"}
+    with pytest.raises(ConfigError, match=r"args.deployment.engine_metrics: got 'vllm'; ray on our ingress path"):
+        build_app({**raw, "deployment": deployment})
+    for metrics in ("ray", "vllm"):
+        with pytest.raises(ConfigError, match=rf"args.engine_kwargs.disable_log_stats: got True; false or unset: .*\({metrics}\)"):
+            load_args({**raw, "deployment": {**deployment, "engine_metrics": metrics},
+                       "engine_kwargs": {**(raw.get("engine_kwargs") or {}), "disable_log_stats": True}}, source="test")
+    with pytest.raises(ConfigError, match=r"args.deployment.engine_metrics: got 'prometheus'"):
+        load_args({**raw, "deployment": {**deployment, "engine_metrics": "prometheus"}}, source="test")
+
+
 # --- end to end on this machine's CPU: Ray's HAProxy in front, our app behind it, the key on ---------------------
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("side", ["direct+key", "direct+key+remote", "direct+key+remote+tput"])
+@pytest.mark.parametrize("side", ["direct+key", "direct+key+remote", "direct+key+remote+tput+vllmmetrics"])
 def test_direct_streaming_serves_through_the_loopback_haproxy_on_cpu(tmp_path, side):
     """The bench's direct side as the nodes run it (``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, HAProxy on, and
     ``RAY_SERVE_HAPROXY_BINARY_PATH`` naming ``kimi-k3-serve-haproxy`` in the environment): Serve's HAProxy starts,
@@ -245,3 +276,11 @@ def test_direct_streaming_serves_through_the_loopback_haproxy_on_cpu(tmp_path, s
     placement = [line for line in (out / f"server-{side}.log").read_text().splitlines()
                  if line.startswith("REMOTE REPLICA:")]
     assert len(placement) == (1 if "+remote" in side else 0), placement
+    # The endpoint's /metrics, with the key: vLLM's engine metrics there only with engine_metrics: vllm (the
+    # warm-up's 8 tokens counted); with Ray's metrics API (the default) they go to Ray's metrics agent instead.
+    scraped = summary["meta"]["engine_metrics"][side]
+    assert scraped["status"] == 200, scraped
+    if "+vllmmetrics" in side:
+        assert scraped["vllm_metrics"] >= 10 and scraped["generated_tokens"] >= 8, scraped
+    else:
+        assert scraped["generated_tokens"] is None, scraped
