@@ -46,7 +46,23 @@ def build_app(args: dict[str, Any]):
 
     before_serve_llm_import()  # text, not JSON, for what importing Ray Serve LLM and vLLM logs below
     validated = load_args(args, source=ARGS_SOURCE)
-    llm_config = llm_config_of(validated)
+    llm_config = llm_config_of(validated)  # resolves the model and draft sources: a missing one is refused here
+    # The settings that need the Ray nodes' mode, before the preflight reads the cluster: a wrong one is one line.
+    if validated.deployment.direct_streaming and not direct_streaming_on():
+        raise ConfigError("args.deployment.direct_streaming", True,
+                          "set only where the Ray nodes were started with RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 and "
+                          "RAY_SERVE_ENABLE_HA_PROXY=1 (`kimi-k3-serve render` writes them into the cluster file); "
+                          "false serves through our ingress")
+    if validated.deployment.engine_metrics == "vllm" and not direct_streaming_on():
+        raise ConfigError("args.deployment.engine_metrics", "vllm",
+                          "ray on our ingress path, where nothing serves vLLM's /metrics; vllm only under direct "
+                          "streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 on the Ray nodes)")
+    if direct_streaming_on():
+        if validated.parallel.data_parallel_size > 1:
+            raise ConfigError("args.parallel.data_parallel_size", validated.parallel.data_parallel_size,
+                              "1 under Ray Serve LLM's direct streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1): "
+                              "the API key and the bound on n are not carried to the DP ranks' app yet")
+        check_haproxy_on_loopback()
     report = preflight(validated, llm_config)
     for line in report.checks:
         logger.info("preflight: %s", line)
@@ -63,24 +79,10 @@ def build_app(args: dict[str, Any]):
         "require_api_key": validated.security.require_api_key,
         "max_choices": validated.limits.max_num_seqs,
     }
-    if validated.deployment.direct_streaming and not direct_streaming_on():
-        raise ConfigError("args.deployment.direct_streaming", True,
-                          "set only where the Ray nodes were started with RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 and "
-                          "RAY_SERVE_ENABLE_HA_PROXY=1 (`kimi-k3-serve render` writes them into the cluster file); "
-                          "false serves through our ingress")
-    if validated.deployment.engine_metrics == "vllm" and not direct_streaming_on():
-        raise ConfigError("args.deployment.engine_metrics", "vllm",
-                          "ray on our ingress path, where nothing serves vLLM's /metrics; vllm only under direct "
-                          "streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 on the Ray nodes)")
     if direct_streaming_on():
         # Ray Serve LLM's direct streaming (the Ray nodes' RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1): the LLM replica
         # is the ingress and serves vLLM's own app, which HAProxy reaches directly; Ray refuses an ingress class
         # here. The same guarantees go to the LLM replica instead (kimi_k3_serve.serving.server.GUARDS_KEY).
-        if validated.parallel.data_parallel_size > 1:
-            raise ConfigError("args.parallel.data_parallel_size", validated.parallel.data_parallel_size,
-                              "1 under Ray Serve LLM's direct streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1): "
-                              "the API key and the bound on n are not carried to the DP ranks' app yet")
-        check_haproxy_on_loopback()
         from kimi_k3_serve.serving.server import GUARDS_KEY
 
         llm_config.experimental_configs[GUARDS_KEY] = dict(ingress_extra_kwargs)

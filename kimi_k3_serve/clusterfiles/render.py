@@ -838,7 +838,8 @@ def _network_policy(cluster_name: str) -> list[str]:
         "        - namespaceSelector:",
         f"            matchLabels: {{kubernetes.io/metadata.name: {INGRESS_NAMESPACE}}}  # EDIT: your ingress controller's",
         "      ports: [{port: 8000, protocol: TCP}]",
-        "    # Nothing else: add a rule of your own for a Prometheus that scrapes Ray's metrics port (8080).",
+        "    # Nothing else: add a rule of your own for a Prometheus that scrapes Ray's metrics port (8080), or port 8000's",
+        "    # /metrics with the API key as a bearer token where args.deployment.engine_metrics is vllm (vLLM's engine metrics).",
     ]
 
 
