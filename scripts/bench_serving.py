@@ -8,6 +8,7 @@ own serving benchmark client (``vllm bench serve``).
     python scripts/bench_serving.py --isolated --pin-engine 1        # the engine on CPU 0, everything else beside it
     python scripts/bench_serving.py --preset h200-llama-8b --out $OUT/bench --deadline 540   # the H200 run
     python scripts/bench_serving.py --from-results $OUT/bench         # tables, plots and summary.md again
+    python scripts/bench_serving.py --from-results A/bench --merge-from B/bench   # with the sides a second call ran
 
 Sides (all on loopback; all up together for the whole run, or with ``--isolated`` one at a time, each started
 afresh every round):
@@ -1303,6 +1304,41 @@ def resummarise(folder: Path, plot_path: Path | None) -> int:
     return 0
 
 
+def merge_results(into: Path, other: Path) -> None:
+    """Take in the sides that another call measured (a fresh host fits one Kimi-K3 slice engine start and its
+    rounds per call, not two): its files, the sides in its summary.json's order after ``into``'s, and what its meta
+    says per side. A side that failed in ``into`` and ran in ``other`` is no longer failed. Ratios across two
+    machines mean little: refused when the two summaries describe different hosts (CPUs, GPUs, driver); make the
+    two calls back to back, while the device machine is still held."""
+    meta = json.loads((into / "summary.json").read_text())["meta"]
+    theirs = json.loads((other / "summary.json").read_text())["meta"]
+    if meta.get("host") != theirs.get("host"):
+        raise SystemExit(f"--merge-from {other}: measured on {theirs.get('host')!r}, not {meta.get('host')!r}")
+    ran = [side for side in theirs.get("sides", []) if side not in theirs.get("failed_sides", {})]
+    for path in other.iterdir():
+        if path.name.startswith(tuple(f"{side}-" for side in ran)) or path.name.startswith(
+                tuple(f"server-{side}." for side in ran)) or path.name.startswith(tuple(f"metrics-{side}." for side in ran)):
+            if path.is_dir():
+                shutil.copytree(path, into / path.name, dirs_exist_ok=True)
+            else:
+                shutil.copy2(path, into / path.name)
+    for path in (other / "profile").glob("*") if (other / "profile").is_dir() else ():
+        if path.name.startswith(tuple(f"{side}-" for side in ran)):
+            (into / "profile").mkdir(exist_ok=True)
+            shutil.copy2(path, into / "profile" / path.name)
+    meta["sides"] = meta.get("sides", []) + [s for s in ran if s not in meta.get("sides", [])]
+    for key in ("ready_s", "engine_metrics"):
+        meta.setdefault(key, {}).update({s: v for s, v in theirs.get(key, {}).items() if s in ran})
+    meta["profiles"] = [p for p in meta.get("profiles", []) if p.get("side") not in ran] + \
+        [p for p in theirs.get("profiles", []) if p.get("side") in ran]
+    meta["failed_sides"] = {s: why for s, why in meta.get("failed_sides", {}).items() if s not in ran}
+    meta.setdefault("merged_from", []).append({"started_utc": theirs.get("started_utc"), "sides": ran,
+                                              "total_s": theirs.get("total_s")})
+    summary = json.loads((into / "summary.json").read_text())
+    summary["meta"] = meta
+    (into / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------------------------
@@ -1345,7 +1381,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # The Kimi-K3 slice (58.7 GiB of weights at TP1): one side on the GPU at a time, each started once, at the
     # concurrencies a Kimi-K3 replica runs (1 to 32). The served side is what the GPU configs and cluster files
-    # start: direct streaming with the key, the replica on a second Ray node, the throughput-optimized mode.
+    # start: direct streaming with the key, the replica on a second Ray node, the throughput-optimized mode, vLLM's
+    # own engine metrics. On a fresh H200 one call holds one side's start and rounds (2026-12-04: bare vLLM answered
+    # after 236 s); one side a call (KIMI_K3_SERVE_BENCH_SIDES), merged with --from-results A --merge-from B.
     "h200-kimi-slice": {
         "config": "deploy/bench-h200-kimi-slice.yaml", "sides": ["vllm", "direct+key+remote+tput+vllmmetrics"],
         "concurrency": [1, 8, 32], "rounds": 3, "input_len": 1024, "output_len": 256,
@@ -1450,6 +1488,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="after the rounds: N iterations of one short request per side in turn (paired TTFT)")
     parser.add_argument("--from-results", type=Path,
                         help="only summarise (tables, summary.json/.md, plots) the result JSONs an earlier run left here")
+    parser.add_argument("--merge-from", type=Path, action="append", default=[], metavar="FOLDER",
+                        help="with --from-results: first take in the sides another call measured on the same host "
+                             "(its result JSONs, logs, profiles and what its summary.json says of them)")
     parser.add_argument("--serve-child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--temp-dir", help=argparse.SUPPRESS)
@@ -1483,7 +1524,11 @@ def main(argv: list[str] | None = None) -> int:
     if (args.isolated or args.sequential) and args.ttft_probe:
         parser.error("--ttft-probe pairs sides that are up together; it cannot run with --isolated or --sequential")
 
+    if args.merge_from and not args.from_results:
+        parser.error("--merge-from: only with --from-results")
     if args.from_results:
+        for other in args.merge_from:
+            merge_results(args.from_results, other)
         return resummarise(args.from_results, args.plot)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-serving-"))
     out.mkdir(parents=True, exist_ok=True)

@@ -846,3 +846,35 @@ def test_the_kimi_slice_preset_serves_the_way_the_shipped_gpu_configs_do(bench_s
     served = bench_serving.parse_side(settings["sides"][1])
     assert served == bench_serving.Side("direct", api_key=True, remote_replica=True, throughput_optimized=True,
                                         vllm_metrics=True)
+
+
+def test_two_calls_merge_into_the_summary_one_call_would_have_written(bench_serving, tmp_path):
+    """A fresh H200 fits one Kimi-K3 slice engine start and its rounds per call: the served side in one call, bare
+    vLLM in the next, merged with ``--from-results A --merge-from B``. Split from a recorded run, the merge rebuilds
+    its tables; a summary from another kind of host is refused."""
+    import shutil
+
+    side = "direct+key+remote+tput+vllmmetrics"
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, keep, drop in ((first, "vllm", side), (second, side, "vllm")):
+        shutil.copytree(H200_LLAMA_256_VLLM_METRICS_BENCH, folder)
+        for pattern in (f"{drop}-*", f"server-{drop}.*", f"metrics-{drop}.*", f"profile/{drop}-*"):
+            for path in folder.glob(pattern):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        summary = json.loads((folder / "summary.json").read_text())
+        summary["meta"]["sides"] = [keep] if keep == side else ["vllm", side]
+        summary["meta"]["failed_sides"] = {} if keep == side else {side: "not ready after 164 s"}
+        for key in ("ready_s", "engine_metrics"):
+            summary["meta"][key] = {keep: summary["meta"][key][keep]}
+        (folder / "summary.json").write_text(json.dumps(summary))
+    assert bench_serving.main(["--from-results", str(first), "--merge-from", str(second)]) == 0
+    merged = json.loads((first / "summary.json").read_text())
+    assert merged["meta"]["failed_sides"] == {} and merged["meta"]["sides"] == ["vllm", side]
+    expected = json.loads((H200_LLAMA_256_VLLM_METRICS_BENCH / "summary.json").read_text())
+    assert merged["goals"] == expected["goals"] and merged["rows"] == expected["rows"]
+    assert (first / "summary.md").read_text() == (H200_LLAMA_256_VLLM_METRICS_BENCH / "summary.md").read_text()
+    other = json.loads((second / "summary.json").read_text())
+    other["meta"]["host"] = "8 CPUs; GPUs: NVIDIA B200"
+    (second / "summary.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="measured on '8 CPUs; GPUs: NVIDIA B200'"):
+        bench_serving.main(["--from-results", str(first), "--merge-from", str(second)])
