@@ -737,17 +737,22 @@ def test_the_recorded_256_streams_run_with_throughput_mode_rebuilds_to_what_the_
 H200_LLAMA_256_TPUT_3_ROUNDS_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-04-h200-llama-256-tput"
 
 
+def rebuilt_summary(bench_serving, fixture: Path, tmp_path: Path) -> tuple[Path, dict]:
+    """A recorded run's folder copied and summarised again (``--from-results``): the copy and its summary.json."""
+    import shutil
+
+    folder = tmp_path / "bench"
+    shutil.copytree(fixture, folder)
+    assert bench_serving.resummarise(folder, None) == 0
+    return folder, json.loads((folder / "summary.json").read_text())
+
+
 def test_the_three_round_256_streams_run_with_throughput_mode_rebuilds_and_names_its_one_miss(bench_serving, tmp_path):
     """The same preset for three whole rounds with py-spy at 256 (2026-12-04, sixteenth session; docs/benchmarks.md):
     every goal met at 1, 8 and 64 with the API key on; at 256 throughput 0.966x, under the 0.97x goal by 0.004,
     while TPOT and ITL are met. The profile is kept: the replica's share under vLLM's stat loggers is the page's
     finding, so it is checked against the recorded samples."""
-    import shutil
-
-    folder = tmp_path / "bench"
-    shutil.copytree(H200_LLAMA_256_TPUT_3_ROUNDS_BENCH, folder)
-    assert bench_serving.resummarise(folder, None) == 0
-    summary = json.loads((folder / "summary.json").read_text())
+    folder, summary = rebuilt_summary(bench_serving, H200_LLAMA_256_TPUT_3_ROUNDS_BENCH, tmp_path)
     side = "direct+key+remote+tput"
     goals = {g["concurrency"]: g for g in summary["goals"] if g["side"] == side}
     assert sorted(goals) == [1, 8, 64, 256]
@@ -779,12 +784,7 @@ def test_the_256_streams_run_with_vllms_own_metrics_rebuilds_and_names_its_one_m
     docs/benchmarks.md): throughput 1.02x, 1.00x, 0.97x and 0.985x of bare vLLM's at 1, 8, 64 and 256, TTFT under
     bare vLLM's at 1 and 8, TPOT +2.2 % at 64 (the one goal missed, by 0.2 points). Both /metrics served vLLM's
     104 engine metrics; the replica's stat loggers fell from 10.4 % of its samples to 0.7 %."""
-    import shutil
-
-    folder = tmp_path / "bench"
-    shutil.copytree(H200_LLAMA_256_VLLM_METRICS_BENCH, folder)
-    assert bench_serving.resummarise(folder, None) == 0
-    summary = json.loads((folder / "summary.json").read_text())
+    folder, summary = rebuilt_summary(bench_serving, H200_LLAMA_256_VLLM_METRICS_BENCH, tmp_path)
     side = "direct+key+remote+tput+vllmmetrics"
     goals = {g["concurrency"]: g for g in summary["goals"] if g["side"] == side}
     assert [round(goals[c]["throughput_ratio"], 3) for c in (1, 8, 64, 256)] == [1.024, 1.0, 0.972, 0.985]
@@ -817,12 +817,7 @@ def test_the_kimi_slice_call_that_ran_out_of_time_keeps_bare_vllms_rounds_and_sa
     """The Kimi-K3 slice preset on a fresh H200 (2026-12-04, seventeenth session): bare vLLM took 236 s to answer
     (its first start on the host) and ran its 3 rounds; the served side had 164 s left and was still starting its
     engine at the deadline. The summary keeps bare vLLM's numbers and names the side that did not start."""
-    import shutil
-
-    folder = tmp_path / "bench"
-    shutil.copytree(H200_KIMI_SLICE_BARE_VLLM_BENCH, folder)
-    assert bench_serving.resummarise(folder, None) == 0
-    summary = json.loads((folder / "summary.json").read_text())
+    folder, summary = rebuilt_summary(bench_serving, H200_KIMI_SLICE_BARE_VLLM_BENCH, tmp_path)
     rows = {(r["side"], r["concurrency"]): r for r in summary["rows"]}
     assert set(rows) == {("vllm", c) for c in (1, 8, 32)} and all(r["rounds"] == 3 for r in rows.values())
     assert [round(rows[("vllm", c)]["output_throughput"]) for c in (1, 8, 32)] == [157, 794, 1230]
