@@ -1310,22 +1310,21 @@ def merge_results(into: Path, other: Path) -> None:
     says per side. A side that failed in ``into`` and ran in ``other`` is no longer failed. Ratios across two
     machines mean little: refused when the two summaries describe different hosts (CPUs, GPUs, driver); make the
     two calls back to back, while the device machine is still held."""
-    meta = json.loads((into / "summary.json").read_text())["meta"]
-    theirs = json.loads((other / "summary.json").read_text())["meta"]
+    summary = json.loads((into / "summary.json").read_text())
+    meta, theirs = summary["meta"], json.loads((other / "summary.json").read_text())["meta"]
     if meta.get("host") != theirs.get("host"):
         raise SystemExit(f"--merge-from {other}: measured on {theirs.get('host')!r}, not {meta.get('host')!r}")
     ran = [side for side in theirs.get("sides", []) if side not in theirs.get("failed_sides", {})]
-    for path in other.iterdir():
-        if path.name.startswith(tuple(f"{side}-" for side in ran)) or path.name.startswith(
-                tuple(f"server-{side}." for side in ran)) or path.name.startswith(tuple(f"metrics-{side}." for side in ran)):
+    # SIDE-cN-rR.json and .log, the warm-up's, server-SIDE.log and .serve-logs/, metrics-SIDE.prom, profile/SIDE-*
+    prefixes = tuple(prefix for side in ran for prefix in (f"{side}-", f"server-{side}.", f"metrics-{side}."))
+    for path in [*other.iterdir(), *(other / "profile").glob("*")]:
+        if path.name.startswith(prefixes):
+            target = into / path.relative_to(other)
+            target.parent.mkdir(exist_ok=True)
             if path.is_dir():
-                shutil.copytree(path, into / path.name, dirs_exist_ok=True)
+                shutil.copytree(path, target, dirs_exist_ok=True)
             else:
-                shutil.copy2(path, into / path.name)
-    for path in (other / "profile").glob("*") if (other / "profile").is_dir() else ():
-        if path.name.startswith(tuple(f"{side}-" for side in ran)):
-            (into / "profile").mkdir(exist_ok=True)
-            shutil.copy2(path, into / "profile" / path.name)
+                shutil.copy2(path, target)
     meta["sides"] = meta.get("sides", []) + [s for s in ran if s not in meta.get("sides", [])]
     for key in ("ready_s", "engine_metrics"):
         meta.setdefault(key, {}).update({s: v for s, v in theirs.get(key, {}).items() if s in ran})
@@ -1334,8 +1333,6 @@ def merge_results(into: Path, other: Path) -> None:
     meta["failed_sides"] = {s: why for s, why in meta.get("failed_sides", {}).items() if s not in ran}
     meta.setdefault("merged_from", []).append({"started_utc": theirs.get("started_utc"), "sides": ran,
                                               "total_s": theirs.get("total_s")})
-    summary = json.loads((into / "summary.json").read_text())
-    summary["meta"] = meta
     (into / "summary.json").write_text(json.dumps(summary, indent=2))
 
 

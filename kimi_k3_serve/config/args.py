@@ -252,10 +252,11 @@ class DeploymentArgs(Section):
             "metrics API (log_engine_metrics) to every Ray node's metrics export port and Ray's dashboards. vllm: "
             "vLLM's own Prometheus logger, served at /metrics of vLLM's app -- the endpoint, behind the API key "
             "like every other path -- as bare vllm serve does; only under direct streaming, where that app is the "
-            "endpoint (the app refuses it on our ingress path). Ray's API records every inter-token latency in the LLM replica, the process that streams "
-            "the tokens: on one H200 at 256 streams it took 10.4 % of that process's samples against vLLM's own "
-            "logger's 2.9 % (docs/benchmarks.md). Through the endpoint each scrape reads the replica HAProxy "
-            "picked: with several replicas, scrape them by their own addresses or keep ray."
+            "endpoint (the app refuses it on our ingress path). Ray's API records every inter-token latency in "
+            "the LLM replica, the process that streams the tokens: on one H200 at 256 streams the stat loggers "
+            "took 10.4 % of that process's samples through it and 0.7 % through vLLM's own (docs/benchmarks.md). "
+            "Through the endpoint each scrape reads the replica HAProxy picked: with several replicas, scrape them "
+            "by their own addresses or keep ray."
         ),
     )
 
