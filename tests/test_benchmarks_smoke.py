@@ -153,7 +153,8 @@ def test_the_h200_call_measures_with_the_key_on_and_records_how_tokens_arrive(be
     running = bench_serving.RunningSide("serve+key", 8000, None, tmp_path / "log", api_key=key_file.read_text())
     engine = bench_serving.Engine("m", "/models/m", {}, {}, {}, "gpu")
     workload = bench_serving.Workload(1024, 256, 1, 2, "openai-chat", 0)
-    argv = bench_serving.client_argv(running, engine, workload, 8, tmp_path, "serve+key-c8-r0.json")
+    argv = bench_serving.client_argv(running, engine, workload, 8, tmp_path, "serve+key-c8-r0.json",
+                                     workload.seed_for(1, 8))
     assert argv[argv.index("--header") + 1] == f"Authorization=Bearer {key_file.read_text()}"
     assert "--save-detailed" in argv and "itl" in argv[argv.index("--percentile-metrics") + 1].split(",")
     # vLLM's result with per-request ITLs: two streams of 4 tokens, one token by token (4 ms apart), one in two
@@ -165,6 +166,40 @@ def test_the_h200_call_measures_with_the_key_on_and_records_how_tokens_arrive(be
     assert result["mean_tokens_per_delivery"] == 8 / 6
     assert not {"itls", "ttfts", "generated_texts", "output_lens"} & set(result)
 
+
+
+def test_every_measured_run_sends_prompts_no_other_run_sent(bench_serving, bench_model_cache):
+    """vLLM's prefix cache keeps the prompts an engine has seen: a run that sends them again measures decoding
+    without prefill. On the H200 every run sent the warm-up's seed, and later rounds at 64 streams answered in
+    0.13-0.27 s where round 0 took 0.58-0.91 s, on both sides. Each run of a preset now has its own seed, the
+    same on every side: built by vLLM's own random dataset with the preset's tokenizer, no run of the 256-stream
+    preset (warm-up, 3 rounds of 1 to 256 streams, the profile) sends more than 4 % of its prompts again, nor all of
+    them more than 1 %. (A random prompt is a window of the vocabulary from a random start; two are the same only
+    when their starts meet by chance: 5 of the preset's 1,305 prompts.)"""
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets import RandomDataset
+
+    settings = bench_serving.PRESETS["h200-llama-8b-256"]
+    tokenizer = AutoTokenizer.from_pretrained(bench_model_cache / "llama-3.1-8b")
+    workload = bench_serving.Workload(settings["input_len"], settings["output_len"],
+                                      settings["prompts_per_concurrency"], settings["min_prompts"], "openai-chat", 0)
+    runs = [(0, settings["warmup_concurrency"]), (bench_serving.PROFILE_RUN, settings["profile_concurrency"])]
+    runs += [(round_index + 1, c) for round_index in range(settings["rounds"]) for c in settings["concurrency"]]
+
+    def prompts(seed: int, concurrency: int) -> set[str]:
+        return {s.prompt for s in RandomDataset(random_seed=seed).sample(
+            tokenizer, workload.num_prompts(concurrency), input_len=workload.input_len,
+            output_len=workload.output_len, range_ratio=0.0)}
+
+    seen: set[str] = set()
+    resent = 0
+    for run, concurrency in runs:
+        sent = prompts(workload.seed_for(run, concurrency), concurrency)
+        assert len(sent & seen) <= 0.04 * len(sent), (run, concurrency, len(sent & seen))
+        resent, seen = resent + len(sent & seen), seen | sent
+    assert resent <= 0.01 * sum(workload.num_prompts(c) for _, c in runs)  # 5 of 1,305 here
+    # What every run did before: one seed, so each later run's prompts were the warm-up's or a round's before it
+    assert prompts(workload.seed, 8) <= prompts(workload.seed, settings["warmup_concurrency"])
 
 def test_bare_vllm_gets_the_engine_serve_gets(bench_serving):
     """The bare-vLLM side's command line parses, with vLLM's own server parser, into the engine arguments our
