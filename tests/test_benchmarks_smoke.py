@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -861,6 +862,61 @@ def test_the_kimi_slice_call_that_ran_out_of_time_keeps_bare_vllms_rounds_and_sa
     assert (folder / "summary.md").read_text() == (H200_KIMI_SLICE_BARE_VLLM_BENCH / "summary.md").read_text()
     assert not (H200_KIMI_SLICE_BARE_VLLM_BENCH / "api-key").exists()
 
+
+
+H200_KIMI_SLICE_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-04-h200-kimi-slice"
+
+
+def test_the_kimi_slice_served_against_bare_vllm_on_one_host_meets_every_goal(bench_serving, tmp_path):
+    """The Kimi-K3 slice at TP1 with DSpark, the shipped served path against bare vLLM (2026-12-04, eighteenth
+    session): two calls back to back on one held H200, the served side first (ready after 216 s), then bare vLLM
+    (103 s), merged with ``--merge-from``. Three whole rounds each: throughput 1.05x, 1.00x and 1.00x at 1, 8 and
+    32 streams, TTFT -1.0 and +8.8 ms at 1 and 8, TPOT -4.4 %, -0.3 % and +0.0 %, ITL within 6 %: every goal met."""
+    folder, summary = rebuilt_summary(bench_serving, H200_KIMI_SLICE_BENCH, tmp_path)
+    side = "direct+key+remote+tput+vllmmetrics"
+    goals = {g["concurrency"]: g for g in summary["goals"] if g["side"] == side}
+    assert sorted(goals) == [1, 8, 32]
+    assert [round(goals[c]["throughput_ratio"], 2) for c in (1, 8, 32)] == [1.05, 1.0, 1.0]
+    assert [round(goals[c]["ttft_p50_overhead_ms"], 1) for c in (1, 8)] == [-1.0, 8.8]
+    assert [round(100 * goals[c]["tpot_p50_overhead"], 1) for c in (1, 8, 32)] == [-4.4, -0.3, 0.0]
+    assert all(goals[c][f"{goal}_met"] is not False for c in goals for goal in ("throughput", "ttft", "tpot", "itl"))
+    rows = {(r["side"], r["concurrency"]): r for r in summary["rows"]}
+    assert {r["rounds"] for r in rows.values()} == {3} and len(rows) == 6
+    meta = summary["meta"]
+    assert meta["sides"] == ["vllm", side] and meta["failed_sides"] == {}
+    assert meta["merged_from"][0]["sides"] == [side] and meta["ready_s"] == {"vllm": [103.4], side: [215.9]}
+    assert meta["engine_metrics"] == {name: {"status": 200, "vllm_metrics": 112, "generated_tokens": 8.0}
+                                      for name in ("vllm", side)}
+    assert (folder / "summary.md").read_text() == (H200_KIMI_SLICE_BENCH / "summary.md").read_text()
+    assert not (H200_KIMI_SLICE_BENCH / "api-key").exists()
+
+
+H200_LLAMA_256_SHORT_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-04-h200-llama-256-short"
+H200_LLAMA_256_RUNS = [REPO_ROOT / "tests/fixtures/bench/2026-12-03-h200-llama-256", H200_LLAMA_256_TPUT_BENCH,
+                       H200_LLAMA_256_TPUT_3_ROUNDS_BENCH, H200_LLAMA_256_VLLM_METRICS_BENCH, H200_LLAMA_256_SHORT_BENCH]
+
+
+def test_round_0_was_the_only_round_with_prefill_when_every_run_sent_one_seed(bench_serving, tmp_path):
+    """The 256-stream preset, cut at its deadline (2026-12-04, eighteenth session, 337 s left on the H200): round 0
+    whole, round 1 but for bare vLLM at 64 and both at 256. Its one miss, TPOT +11.9 % at 64, compares the served
+    side's round 0 with bare vLLM's round 0 alone. In every recorded run of this preset both sides answered round 0
+    at 64 streams at least 3 times slower to the first token than any later round: every run sent the same seed,
+    and vLLM's prefix cache held the prompts from round 1 on (its log's hit rate rose to 90 %). So the medians of 3
+    rounds mixed one round with prefill and two without; each run now has prompts of its own."""
+    _, summary = rebuilt_summary(bench_serving, H200_LLAMA_256_SHORT_BENCH, tmp_path)
+    goals = {g["concurrency"]: g for g in summary["goals"] if g["side"] == "direct+key+remote+tput+vllmmetrics"}
+    assert [goals[c]["tpot_met"] for c in (1, 8, 64, 256)] == [True, True, False, True]
+    assert round(100 * goals[64]["tpot_p50_overhead"], 1) == 11.9
+    assert "vllm-c64-r1.json" in summary["meta"]["skipped"]
+    slower_first = {}
+    for run in H200_LLAMA_256_RUNS:
+        for side in {p.name.split("-c64-")[0] for p in run.glob("*-c64-r*.json")}:
+            ttft = [json.loads(path.read_text())["median_ttft_ms"] for path in sorted(run.glob(f"{side}-c64-r*.json"))]
+            if len(ttft) > 1:  # bare vLLM's round 1 at 64 was cut in the short run
+                slower_first[(run.name, side)] = min(ttft[0] / later for later in ttft[1:])
+    assert len(slower_first) == 9 and min(slower_first.values()) >= 3, slower_first
+    log = (H200_LLAMA_256_VLLM_METRICS_BENCH / "server-vllm.log").read_text()
+    assert float(re.findall(r"Prefix cache hit rate: ([0-9.]+)%", log)[-1]) >= 90
 
 def test_the_kimi_slice_preset_serves_the_way_the_shipped_gpu_configs_do(bench_serving):
     """The Kimi-K3 slice's served side is the shipped path: every single-engine GPU config streams directly with
