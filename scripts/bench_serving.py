@@ -1250,9 +1250,9 @@ def plot_title(meta: dict[str, Any]) -> str:
             f"{workload.get('output_len')} out, median of {'/'.join(map(str, rounds))} round(s)")
 
 
-PROMPTS_SAID = {"new each run": " new to the engine in every run (a seed per round and concurrency, the same on "
-                                "every side)"}
-"""How a summary describes ``meta["prompts"]``; runs recorded before it existed sent one seed every run."""
+NEW_PROMPTS_SAID = " new to the engine in every run (a seed per round and concurrency, the same on every side)"
+"""What a summary adds when ``meta["new_prompts_each_run"]``; runs recorded before it existed sent one seed for
+every run."""
 
 
 def summary_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -1261,8 +1261,9 @@ def summary_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     workload = meta.get("workload", {})
     out = [f"Run {meta.get('started_utc', '?')}, {meta.get('total_s', '?')} s in all; {meta.get('engine', '')}; "
            f"sides {', '.join(meta.get('sides', []))}; {workload.get('input_len')} in / {workload.get('output_len')} "
-           f"out, random prompts{PROMPTS_SAID.get(meta.get('prompts'), '')}, `ignore_eos`, {workload.get('backend')}; "
-           f"concurrency {', '.join(map(str, meta.get('concurrency', [])))}; {meta.get('rounds')} round(s) asked.",
+           f"out, random prompts{NEW_PROMPTS_SAID if meta.get('new_prompts_each_run') else ''}, `ignore_eos`, "
+           f"{workload.get('backend')}; concurrency {', '.join(map(str, meta.get('concurrency', [])))}; "
+           f"{meta.get('rounds')} round(s) asked.",
            "", f"Engine: `{json.dumps(meta.get('engine_kwargs', {}))}`", ""]
     if meta.get("host"):
         out += [f"Host: {meta['host']}", ""]
@@ -1566,7 +1567,7 @@ def main(argv: list[str] | None = None) -> int:
         "tensor_parallel_size": engine.engine_kwargs.get("tensor_parallel_size"), "pin_engine": args.pin_engine,
         "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": load_loads(),
         "host": host_line(), "argv": sys.argv[1:] if argv is None else argv, "loads": [], "failed_sides": {},
-        "failed_runs": {}, "skipped": [], "prompts": "new each run",
+        "failed_runs": {}, "skipped": [], "new_prompts_each_run": True,
     }
     print(f"engine: {json.dumps(engine.engine_kwargs)}\nenv: {engine.env}\nhost: {meta['host']}\n"
           f"load average: {meta['load_before']}", flush=True)

@@ -892,8 +892,8 @@ def test_the_kimi_slice_served_against_bare_vllm_on_one_host_meets_every_goal(be
 
 
 H200_LLAMA_256_SHORT_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-04-h200-llama-256-short"
-H200_LLAMA_256_RUNS = [REPO_ROOT / "tests/fixtures/bench/2026-12-03-h200-llama-256", H200_LLAMA_256_TPUT_BENCH,
-                       H200_LLAMA_256_TPUT_3_ROUNDS_BENCH, H200_LLAMA_256_VLLM_METRICS_BENCH, H200_LLAMA_256_SHORT_BENCH]
+H200_LLAMA_256_RUNS = [H200_LLAMA_256_BENCH, H200_LLAMA_256_TPUT_BENCH, H200_LLAMA_256_TPUT_3_ROUNDS_BENCH,
+                       H200_LLAMA_256_VLLM_METRICS_BENCH, H200_LLAMA_256_SHORT_BENCH]
 
 
 def test_round_0_was_the_only_round_with_prefill_when_every_run_sent_one_seed(bench_serving, tmp_path):
