@@ -918,6 +918,40 @@ def test_round_0_was_the_only_round_with_prefill_when_every_run_sent_one_seed(be
     log = (H200_LLAMA_256_VLLM_METRICS_BENCH / "server-vllm.log").read_text()
     assert float(re.findall(r"Prefix cache hit rate: ([0-9.]+)%", log)[-1]) >= 90
 
+
+H200_LLAMA_256_NEW_PROMPTS_BENCHES = [REPO_ROOT / "tests/fixtures/bench/2026-12-04-h200-llama-256-new-prompts",
+                                      REPO_ROOT / "tests/fixtures/bench/2026-12-04-h200-llama-256-new-prompts-2"]
+
+
+def test_the_256_stream_preset_with_new_prompts_every_round_meets_every_goal_twice(bench_serving, tmp_path):
+    """The 256-stream preset measured again once each run sent prompts of its own (2026-12-04, nineteenth session),
+    twice on one held H200, three whole rounds each, the API key on: every goal met at 1, 8, 64 and 256 in both runs
+    (throughput 0.99x to 1.01x, TTFT +0.7 / -0.4 ms and +2.1 / +9.7 ms at 1 / 8, TPOT -2.1 % to +1.3 %, ITL within
+    2 %). Bare vLLM's prefix cache hit rate stayed under 1 % (90.6 % before), and round 0 at 64 streams is no longer
+    3 times slower to the first token than the later rounds: at most 1.25 times."""
+    side = "direct+key+remote+tput+vllmmetrics"
+    expected = {"throughput": ([1.007, 1.004, 1.0, 1.004], [1.008, 0.993, 1.006, 1.008]),
+                "ttft": ([0.7, -0.4], [2.1, 9.7]), "tpot": ([-0.8, -0.5, -2.1, 1.3], [-0.9, 0.1, 0.7, 0.6])}
+    for run, fixture in enumerate(H200_LLAMA_256_NEW_PROMPTS_BENCHES):
+        folder, summary = rebuilt_summary(bench_serving, fixture, tmp_path / str(run))
+        goals = {g["concurrency"]: g for g in summary["goals"] if g["side"] == side}
+        assert sorted(goals) == [1, 8, 64, 256]
+        assert [round(goals[c]["throughput_ratio"], 3) for c in (1, 8, 64, 256)] == expected["throughput"][run]
+        assert [round(goals[c]["ttft_p50_overhead_ms"], 1) for c in (1, 8)] == expected["ttft"][run]
+        assert [round(100 * goals[c]["tpot_p50_overhead"], 1) for c in (1, 8, 64, 256)] == expected["tpot"][run]
+        assert all(goals[c][f"{goal}_met"] is not False
+                   for c in goals for goal in ("throughput", "ttft", "tpot", "itl"))
+        assert {r["rounds"] for r in summary["rows"]} == {3} and len(summary["rows"]) == 8
+        assert summary["meta"]["new_prompts_each_run"] and summary["meta"]["failed_sides"] == {}
+        log = (fixture / "server-vllm.log").read_text()
+        assert max(float(rate) for rate in re.findall(r"Prefix cache hit rate: ([0-9.]+)%", log)) < 1
+        for name in ("vllm", side):
+            rounds = sorted(fixture.glob(f"{name}-c64-r*.json"))
+            ttft = [json.loads(path.read_text())["median_ttft_ms"] for path in rounds]
+            assert len(ttft) == 3 and min(ttft[0] / later for later in ttft[1:]) < 1.25, (fixture.name, name, ttft)
+        assert (folder / "summary.md").read_text() == (fixture / "summary.md").read_text()
+        assert not (fixture / "api-key").exists()
+
 def test_the_kimi_slice_preset_serves_the_way_the_shipped_gpu_configs_do(bench_serving):
     """The Kimi-K3 slice's served side is the shipped path: every single-engine GPU config streams directly with
     the engine metrics on vLLM's own logger, and render starts its nodes in the throughput-optimized mode; the
