@@ -228,7 +228,8 @@ class DeploymentArgs(Section):
             "Ray's default (50). Under Ray Serve LLM's direct streaming no batching applies: vLLM's own app streams. "
             "Measured on one H200 (Llama-3.1-8B's shape, docs/benchmarks.md): token by token keeps bare vLLM's "
             "throughput at 1 and 8 concurrent streams and loses 60 % of it at 64 and 256, where the relays carry "
-            "thousands of messages a second; direct_streaming keeps it up to 64 streams (0.61x with 256 running at once)."
+            "thousands of messages a second; direct_streaming keeps it at 1 to 256 streams (under the "
+            "throughput-optimized mode that render turns on)."
         ),
     )
     direct_streaming: bool = Field(
@@ -236,7 +237,8 @@ class DeploymentArgs(Section):
         description=(
             "Serve through Ray Serve LLM's direct streaming: HAProxy forwards each request to vLLM's own app in the "
             "LLM replica, with the API key and the bound on n on that app, and no Python process relays the tokens "
-            "(bare vLLM's throughput up to 64 streams on one H200, 0.61x with 256 running at once: docs/benchmarks.md). "
+            "(measured on one H200, docs/benchmarks.md: bare vLLM's throughput, TTFT and token pace at 1 to 256 "
+            "streams with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, which render also sets; 0.61x at 256 without it). "
             "It needs RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1, "
             "RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_HAPROXY_BINARY_PATH naming kimi-k3-serve-haproxy in every Ray "
             "node's environment before ray start: `kimi-k3-serve render` writes them into the cluster file, and the "
