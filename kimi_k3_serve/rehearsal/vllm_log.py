@@ -12,6 +12,8 @@ Every number here is one vLLM printed. The lines come from (vLLM 0.32 CUDA wheel
   --gpu-memory-utilization=E without CUDA graph memory profiling" (U - E is the estimate over the total, to 1e-4);
 - ``v1/core/kv_cache_utils.py``: "GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx";
 - ``v1/engine/core.py``: "init engine (profile, create kv cache, warmup model) took S s";
+- the rehearsal's own plugin (``graph_samples``): "KIMI_K3_REHEARSAL_FULL_GRAPHS {...}", the FULL graphs vLLM
+  sampled for its CUDA-graph estimate and what it extrapolated from them;
 - torch: "CUDA out of memory. Tried to allocate X GiB. GPU g has a total capacity of T GiB of which F MiB is free".
 vLLM rounds GiB to 2 decimals (``format_gib``), so each value read here is exact to +-0.005 GiB.
 
@@ -21,6 +23,7 @@ worker lines are tied to world ranks through the "is assigned as" line of the sa
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -57,6 +60,8 @@ _OOM = re.compile(r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate 
                   r"([\d.]+) (GiB|MiB) of which ([\d.]+) (GiB|MiB|KiB) is free")
 _OOM_PLAIN = re.compile(r"(torch\.OutOfMemoryError|CUDA out of memory|No available memory for the cache blocks|"
                         r"Free memory on device .* is less than desired GPU memory utilization)")
+_FULL_GRAPHS = re.compile(r"KIMI_K3_REHEARSAL_FULL_GRAPHS (\{.*\})")
+"""The rehearsal's plugin line (``graph_samples``; the marker is spelled out: this module imports no plugin)."""
 _MARKERS = (
     ("load", re.compile(r"Starting to load model|Loading model from scratch|is assigned as")),
     ("profile", _LOADED),
@@ -91,6 +96,11 @@ class WorkerReading:
     consumed_bytes: int | None = None
     peak_activation_bytes: int | None = None
     kv_in_use_bytes: int | None = None
+    full_graph_samples: tuple[int, ...] | None = None
+    """The drops in free memory of the FULL graphs vLLM captured to estimate them all (the 2 largest; ``graph_samples``)."""
+    full_graphs: int | None = None
+    full_graph_extrapolated_bytes: int | None = None
+    """What vLLM's estimate charged for its ``full_graphs`` FULL graphs: the first sample + the rest at the second's."""
 
     @property
     def non_torch_bytes(self) -> int | None:
@@ -219,6 +229,11 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
             engine.setdefault("max_concurrency", float(m[3]))
         elif m := _INIT_DONE.search(line):
             engine["init_seconds"] = float(m[1])
+        elif m := _FULL_GRAPHS.search(line):
+            sampled = json.loads(m[1])
+            worker(int(sampled["pid"])).update(full_graph_samples=tuple(sampled["samples"]),
+                                               full_graphs=sampled["full_graphs"],
+                                               full_graph_extrapolated_bytes=sampled["extrapolated"])
         if oom is None and _OOM_PLAIN.search(line):
             detail = _OOM.search(line)
             step = STEPS[step_index]
