@@ -269,14 +269,18 @@ def test_kv_pool_error_is_inside_the_band_the_verdict_uses(runs) -> None:
 
 
 def test_verdict_right_on_every_run_that_ended(runs) -> None:
-    """Every run that ended gets vLLM's outcome, or "at risk" where it fits only at the point estimates: the one such
-    run is k8-tp1-b8192-s512-nodraft, a fit run at the edge (512 sequences; vLLM made 513 blocks, the plan 536, and
-    fewer than 512 with every band against it). At most one validation run in five may be "at risk"."""
+    """Every run that ended gets vLLM's outcome, or "at risk" where it fits only at the point estimates:
+    k8-tp1-b8192-s512-nodraft, a fit run at the edge (512 sequences; vLLM made 513 blocks, the plan 536, and fewer
+    than 512 with every band against it), started twice; and ranks-round16's three validation runs, full-width slices
+    whose pools of 0.6 to 1.6 GiB hold about as many KDA state blocks as sequences (vLLM refused both 8-layer runs
+    and started the 7-layer one). At most one validation run in five may be "at risk"."""
     ended = [r for r in runs.values() if r.measured_verdict != "unknown"]
     assert {r.measured_verdict for r in ended} == {"fits", "oom_at_warmup", "no_kv_space", "seqs_over_state_blocks", "refused"}
     for r in ended:
         assert r.predicted_verdict in (r.measured_verdict, "at_risk"), r
-    assert [r.name for r in ended if r.predicted_verdict == "at_risk"] == ["k8-tp1-b8192-s512-nodraft"]
+    assert sorted(r.name for r in ended if r.predicted_verdict == "at_risk") == [
+        "k7-tp1-b2048-s128-dspark-u081", "k8-tp1-b2048-s128-dspark", "k8-tp1-b4096-s64-dspark",
+        "k8-tp1-b8192-s512-nodraft", "k8-tp1-b8192-s512-nodraft-samples"]
     validation = [r for r in ended if r.role == "validation"]
     assert 5 * sum(r.predicted_verdict == "at_risk" for r in validation) <= len(validation)
 

@@ -111,8 +111,9 @@ per-graph cost (not fitted on an EAGLE3 run)."""
 CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.03 * MiB)}
 CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(9.42 * KiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it, per target attention head on
-the rank (fitted with ``CUDA_GRAPH_PER_GRAPH``, in KiB). vLLM's estimate charges every FULL graph at the second-largest
-one's increment (``_extrapolate_full_graph_memory``); with DSpark the estimate grows with depth at the same graph
+the rank (fitted with ``CUDA_GRAPH_PER_GRAPH``, in KiB). vLLM's estimate charges all but one FULL graph at 1 MiB
+(the second sample's drop in free memory is negative: ``bands.CUDA_GRAPHS`` says why, and what that adds); with
+DSpark the estimate grows with depth at the same graph
 counts, where without a draft it barely does: on TP8 rank slices 11 -> 44 layers gave 0.90 -> 1.27 GiB (no draft,
 23 -> 49 layers: 0.20 -> 0.25), and on full-width slices (96 heads, 8 times a TP8 rank's 12) 4 -> 6 -> 8 layers gave
 3.55 -> 3.70 -> 3.82 GiB. Charged per layer alone (until 2026-12-03, eleventh session), the fit put it at the ranks'
