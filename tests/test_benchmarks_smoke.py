@@ -896,6 +896,11 @@ H200_LLAMA_256_RUNS = [H200_LLAMA_256_BENCH, H200_LLAMA_256_TPUT_BENCH, H200_LLA
                        H200_LLAMA_256_VLLM_METRICS_BENCH, H200_LLAMA_256_SHORT_BENCH]
 
 
+def _ttft_per_round_at_64(run: Path, side: str) -> list[float]:
+    """One side's median TTFT at 64 streams, round by round, as a recorded bench wrote it."""
+    return [json.loads(path.read_text())["median_ttft_ms"] for path in sorted(run.glob(f"{side}-c64-r*.json"))]
+
+
 def test_round_0_was_the_only_round_with_prefill_when_every_run_sent_one_seed(bench_serving, tmp_path):
     """The 256-stream preset, cut at its deadline (2026-12-04, eighteenth session, 337 s left on the H200): round 0
     whole, round 1 but for bare vLLM at 64 and both at 256. Its one miss, TPOT +11.9 % at 64, compares the served
@@ -911,7 +916,7 @@ def test_round_0_was_the_only_round_with_prefill_when_every_run_sent_one_seed(be
     slower_first = {}
     for run in H200_LLAMA_256_RUNS:
         for side in {p.name.split("-c64-")[0] for p in run.glob("*-c64-r*.json")}:
-            ttft = [json.loads(path.read_text())["median_ttft_ms"] for path in sorted(run.glob(f"{side}-c64-r*.json"))]
+            ttft = _ttft_per_round_at_64(run, side)
             if len(ttft) > 1:  # bare vLLM's round 1 at 64 was cut in the short run
                 slower_first[(run.name, side)] = min(ttft[0] / later for later in ttft[1:])
     assert len(slower_first) == 9 and min(slower_first.values()) >= 3, slower_first
@@ -946,8 +951,7 @@ def test_the_256_stream_preset_with_new_prompts_every_round_meets_every_goal_twi
         log = (fixture / "server-vllm.log").read_text()
         assert max(float(rate) for rate in re.findall(r"Prefix cache hit rate: ([0-9.]+)%", log)) < 1
         for name in ("vllm", side):
-            rounds = sorted(fixture.glob(f"{name}-c64-r*.json"))
-            ttft = [json.loads(path.read_text())["median_ttft_ms"] for path in rounds]
+            ttft = _ttft_per_round_at_64(fixture, name)
             assert len(ttft) == 3 and min(ttft[0] / later for later in ttft[1:]) < 1.25, (fixture.name, name, ttft)
         assert (folder / "summary.md").read_text() == (fixture / "summary.md").read_text()
         assert not (fixture / "api-key").exists()

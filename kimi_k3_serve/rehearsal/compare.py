@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kimi_k3_serve.rehearsal.vllm_log import EngineReading
-from kimi_k3_serve.units import GiB
+from kimi_k3_serve.units import GiB, MiB
 
 MEASURED_VERDICT_OF_STEP = {
     "start": "cannot_start", "load": "oom_at_load", "profile": "no_kv_space", "kv_cache": "oom_at_warmup",
@@ -53,12 +53,30 @@ class RankComparison:
     pp_stage: int
     tp_rank: int
     rows: tuple[Row, ...]
+    full_graph_samples: tuple[int, ...] | None = None
+    """vLLM's 2 sampled FULL graphs' drops in free memory, where rehearse's plugin logged them."""
+    full_graphs: int | None = None
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
 
+    def full_graph_line(self) -> str | None:
+        """How vLLM built its CUDA-graph estimate's FULL-graph part, in a sentence (None where it was not logged)."""
+        if not self.full_graph_samples or len(self.full_graph_samples) < 2 or self.full_graphs is None:
+            return None
+        first, second = self.full_graph_samples[:2]
+        line = (f"vLLM captured 2 of its {self.full_graphs} FULL graphs to estimate them (free memory changed by "
+                f"{-first / GiB:+.2f} / {-second / GiB:+.2f} GiB) and charged each other one "
+                f"{max(second, MiB) / MiB:,.0f} MiB")
+        if second < 0:
+            line += (f"; {-second / GiB:.2f} GiB of its estimate is the allocator cache released as the second capture "
+                     "began, which no graph holds")
+        return line
+
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "rows": [r.to_json() for r in self.rows]}
+        return {"rank": self.rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "rows": [r.to_json() for r in self.rows],
+                "full_graph_samples": list(self.full_graph_samples) if self.full_graph_samples else None,
+                "full_graphs": self.full_graphs}
 
 
 @dataclass(frozen=True)
@@ -117,7 +135,7 @@ def compare(report: Any, reading: EngineReading) -> Comparison:
             Row("cuda_graph_pool", r.cuda_graph_bytes, get("cuda_graph_actual_bytes")),
             Row("kv_cache", r.kv_cache_bytes, get("available_kv_bytes")),
         )
-        ranks.append(RankComparison(r.rank, r.pp_stage, r.tp_rank, rows))
+        ranks.append(RankComparison(r.rank, r.pp_stage, r.tp_rank, rows, get("full_graph_samples"), get("full_graphs")))
     return Comparison(
         ranks=tuple(ranks), predicted_verdict=report.verdict, measured_verdict=measured_verdict(reading),
         predicted_concurrency=report.max_concurrency, measured_concurrency=reading.max_concurrency,
@@ -144,6 +162,10 @@ def render_table(comparison: Comparison, gpu_of_rank: Sequence[str] | None = Non
         for i, row in enumerate(rc.rows):
             lines.append(f"{gpu if i == 0 else '':<10} {rc.pp_stage if i == 0 else '':>5}  {row.name:<20} "
                          f"{_gib(row.predicted_bytes):>10} {_gib(row.measured_bytes):>10} {_err(row):>16}")
+    for rc in comparison.ranks:
+        if said := rc.full_graph_line():
+            gpu = gpu_of_rank[rc.rank] if gpu_of_rank and rc.rank < len(gpu_of_rank) else f"rank {rc.rank}"
+            lines.append(f"{gpu}: {said}")
     conc = "-" if comparison.measured_concurrency is None else f"{comparison.measured_concurrency:.2f}x"
     lines.append(f"max concurrency: plan {comparison.predicted_concurrency:.2f}x, vLLM {conc}")
     agree = "agree" if comparison.verdicts_agree else "DISAGREE"

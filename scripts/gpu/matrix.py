@@ -292,8 +292,9 @@ SETS: dict[str, list[Job]] = {
     # Roles fixed 2026-12-04 (eighteenth session), after ranks-round14 ran (r49-s0-b2048-s64: KV +0.19 %) and before
     # these run. The one KV miss left is a small pool (k8 at the serve defaults: 0.92 GiB, +4.0 %, 0.04 GiB): what the
     # plan's absolute error is worth where a real rank runs near full. Stage 0's rank at the config's own limits and
-    # utilization 0.80 holds a 5.6 GiB pool, stage 1's with DSpark 10.3 GiB (the plan's dry runs); each a call of its
-    # own on a fresh host.
+    # utilization 0.80 holds a 5.6 GiB pool, stage 1's with DSpark 10.3 GiB (the dry runs' plan of the real TP8 rank;
+    # the one-GPU rank slice that vLLM runs holds 3.8 and 9.5 GiB: its vocabulary tables are whole, 4.1 GiB more on
+    # stage 0, against 2.3 GiB less of non-torch memory and CUDA graphs); each a call of its own on a fresh host.
     "ranks-round15": [
         rank("r49-s0-u080", 0, role="validation", util=0.80, expected_s=420),
         rank("r44-s1-dspark-u080", 1, role="validation", util=0.80, expected_s=420),
