@@ -80,3 +80,16 @@ def test_the_rehearsal_table_says_how_much_of_vllms_estimate_is_released_cache()
     assert ("GPU 0: vLLM captured 2 of its 48 FULL graphs to estimate them (free memory changed by +0.09 / +0.42 GiB) "
             "and charged each other one 1 MiB; 0.42 GiB of its estimate is the allocator cache released") in table
     assert RankComparison(0, 0, 0, ()).full_graph_line() is None  # not logged: nothing said
+
+
+def test_the_engine_finds_the_plugin_and_a_plugin_list_names_it(tmp_path, monkeypatch) -> None:
+    from kimi_k3_serve.commands.rehearse import engine_env
+
+    monkeypatch.setenv("PYTHONPATH", "/site")
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    env = engine_env({"NCCL_NVLS_ENABLE": "0"}, tmp_path)
+    assert env["PYTHONPATH"] == os.pathsep.join((str(tmp_path / "vllm-plugin"), "/site"))
+    assert env["NCCL_NVLS_ENABLE"] == "0" and "VLLM_PLUGINS" not in env  # vLLM loads every plugin it finds
+    assert (tmp_path / "vllm-plugin" / "kimi_k3_rehearsal_full_graphs-0.dist-info" / "entry_points.txt").is_file()
+    restricted = engine_env({"VLLM_PLUGINS": "lora_resolver"}, tmp_path)
+    assert restricted["VLLM_PLUGINS"] == "lora_resolver,kimi_k3_rehearsal_full_graphs"

@@ -423,18 +423,29 @@ class PeakMemory:
 
 # -- the run --------------------------------------------------------------------------------------------------------
 
+def engine_env(env: Mapping[str, str], work: Path) -> dict[str, str]:
+    """The engine process's environment: this process's, the deploy config's over it, and the rehearsal's vLLM
+    plugin (``rehearsal/graph_samples.py``: vLLM logs only its CUDA-graph estimate's total, the plugin how it was
+    built) on its path. Where ``VLLM_PLUGINS`` names the plugins vLLM may load, the plugin is named too: it only
+    logs."""
+    from kimi_k3_serve.rehearsal import graph_samples
+
+    child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "VLLM_LOGGING_COLOR": "0"}
+    plugin_path = str(graph_samples.install(work / "vllm-plugin"))
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_path, child_env.get("PYTHONPATH")) if p)
+    if child_env.get("VLLM_PLUGINS"):
+        child_env["VLLM_PLUGINS"] += f",{graph_samples.PLUGIN_NAME}"
+    return child_env
+
+
 def start_engine(spec: dict[str, Any], env: dict[str, str], work: Path, timeout: float, *, progress: bool) -> tuple[int, str, float]:
     """Run the engine process to its end; returns (exit code, its whole log, seconds)."""
-    from kimi_k3_serve.rehearsal import graph_samples
     from kimi_k3_serve.rehearsal.vllm_log import STEPS, parse_vllm_log
 
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     log_path = work / "vllm.log"
-    child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "VLLM_LOGGING_COLOR": "0"}
-    # vLLM logs only its CUDA-graph estimate's total; the plugin logs what was measured and what extrapolated.
-    plugin_path = str(graph_samples.install(work / "vllm-plugin"))
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_path, child_env.get("PYTHONPATH")) if p)
+    child_env = engine_env(env, work)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         # Same process group as this command, so whoever stops it stops the engine's processes too.
