@@ -59,15 +59,15 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "(-0.07), b200-r43-s1-dspark 1.70 / 1.81 (-0.11), r44-s1-dspark-l131072-s20 1.99 / 2.10 (-0.11), "
                    "llama-3.1-8b-tp1-b16384-s1024 0.78 / 0.92 (-0.14); k8 started again (thirteenth session) "
                    "logged the same 3.82 GiB, so its -0.06 GiB is the model's, not one start's spread. Read from "
-                   "vLLM 0.32's code (v1/worker/gpu/cudagraph_utils.py, profile_cudagraph_memory): the estimate captures the 2 "
-                   "largest FULL graphs and charges the rest at the second one's drop in free memory, at least 1 "
-                   "MiB. Measured with rehearse's plugin (ranks-round16, twentieth session), both drops are negative "
-                   "on every run (torch.cuda.graph empties the allocator's cache as each capture begins), so the "
-                   "estimate is the measured capture + the cache released at the second sampled graph + (FULL graphs "
-                   "- 1) x 1 MiB. That release is memory no graph holds, and it is not smooth in the shapes: 374, "
-                   "316, 318 and 428 MiB at full width, 496 tokens and 4, 6, 7 and 8 layers with DSpark (428 on "
-                   "both 8-layer runs, the extra 0.11 GiB of k8's estimate). The new 8-layer validation runs of "
-                   "round 16 missed by -0.05 and -0.10 GiB; the band stays")
+                   "vLLM 0.32's code (v1/worker/gpu/cudagraph_utils.py, profile_cudagraph_memory): the estimate "
+                   "captures the 2 largest FULL graphs and charges the rest at the second one's drop in free memory, "
+                   "at least 1 MiB. Measured with rehearse's plugin (ranks-round16, twentieth session), both drops "
+                   "are negative on every run (torch.cuda.graph empties the allocator's cache as each capture "
+                   "begins), so the estimate is the measured capture + the cache released at the second sampled graph "
+                   "+ (FULL graphs - 1) x 1 MiB. That release is memory no graph holds, and it is not smooth in the "
+                   "shapes: 374, 316, 318 and 428 MiB at full width, 496 tokens and 4, 6, 7 and 8 layers with DSpark "
+                   "(428 on both 8-layer runs, the extra 0.11 GiB of k8's estimate). The new 8-layer validation runs "
+                   "of round 16 missed by -0.05 and -0.10 GiB; the band stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 

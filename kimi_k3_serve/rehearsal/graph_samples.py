@@ -11,8 +11,8 @@ inputs and result (the wrapped function's answer is returned unchanged):
 ``vllm_log`` reads the line. vLLM loads general plugins in every engine process (``load_general_plugins`` in the
 engine core and in ``WorkerWrapperBase.init_worker``), whether they were forked or spawned; its plugins are entry
 points, so ``install`` writes a distribution's metadata (no code: the entry point names this module) into a folder
-that the rehearsal puts on the engine's ``PYTHONPATH``. ``VLLM_PLUGINS``, where the deploy config sets it, decides
-as it does for every plugin.
+that the rehearsal puts on the engine's ``PYTHONPATH``. Where the deploy config sets ``VLLM_PLUGINS`` (the only
+plugins vLLM may load), the rehearsal names this one there too (``commands/rehearse.py engine_env``).
 """
 
 from __future__ import annotations
