@@ -157,14 +157,14 @@ def _err(row: Row) -> str:
 def render_table(comparison: Comparison, gpu_of_rank: Sequence[str] | None = None) -> str:
     """Per GPU: predicted, measured and error (GiB, and % of measured) for every row."""
     lines = [f"{'GPU':<10} {'stage':>5}  {'what':<20} {'plan GiB':>10} {'vLLM GiB':>10} {'error GiB':>16}"]
-    for rc in comparison.ranks:
-        gpu = gpu_of_rank[rc.rank] if gpu_of_rank and rc.rank < len(gpu_of_rank) else f"rank {rc.rank}"
+    gpus = [gpu_of_rank[rc.rank] if gpu_of_rank and rc.rank < len(gpu_of_rank) else f"rank {rc.rank}"
+            for rc in comparison.ranks]
+    for gpu, rc in zip(gpus, comparison.ranks):
         for i, row in enumerate(rc.rows):
             lines.append(f"{gpu if i == 0 else '':<10} {rc.pp_stage if i == 0 else '':>5}  {row.name:<20} "
                          f"{_gib(row.predicted_bytes):>10} {_gib(row.measured_bytes):>10} {_err(row):>16}")
-    for rc in comparison.ranks:
+    for gpu, rc in zip(gpus, comparison.ranks):
         if said := rc.full_graph_line():
-            gpu = gpu_of_rank[rc.rank] if gpu_of_rank and rc.rank < len(gpu_of_rank) else f"rank {rc.rank}"
             lines.append(f"{gpu}: {said}")
     conc = "-" if comparison.measured_concurrency is None else f"{comparison.measured_concurrency:.2f}x"
     lines.append(f"max concurrency: plan {comparison.predicted_concurrency:.2f}x, vLLM {conc}")

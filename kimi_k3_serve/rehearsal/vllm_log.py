@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimi_k3_serve.rehearsal import graph_samples
 from kimi_k3_serve.units import GiB, MiB
 
 STEPS = ("start", "load", "profile", "kv_cache", "warmup", "cuda_graphs", "serving")
@@ -60,8 +61,8 @@ _OOM = re.compile(r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate 
                   r"([\d.]+) (GiB|MiB) of which ([\d.]+) (GiB|MiB|KiB) is free")
 _OOM_PLAIN = re.compile(r"(torch\.OutOfMemoryError|CUDA out of memory|No available memory for the cache blocks|"
                         r"Free memory on device .* is less than desired GPU memory utilization)")
-_FULL_GRAPHS = re.compile(r"KIMI_K3_REHEARSAL_FULL_GRAPHS (\{.*\})")
-"""The rehearsal's plugin line (``graph_samples``; the marker is spelled out: this module imports no plugin)."""
+_FULL_GRAPHS = re.compile(rf"{graph_samples.MARKER} (\{{.*\}})")
+"""The rehearsal's plugin line (``graph_samples``, a module of standard-library imports only)."""
 _MARKERS = (
     ("load", re.compile(r"Starting to load model|Loading model from scratch|is assigned as")),
     ("profile", _LOADED),
