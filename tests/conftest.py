@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kimi_k3_serve.serving.ports import LOOPBACK, free_loopback_port  # noqa: E402
+from kimi_k3_serve.serving.ports import LOOPBACK, free_loopback_port, free_loopback_ports  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RAY_LOGICAL_CPUS = 8
@@ -63,6 +63,11 @@ make_tiny_models = load_script("make_tiny_models")
 
 def free_port() -> int:
     return free_loopback_port()
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports for listeners that start together: all different."""
+    return free_loopback_ports(count)
 
 
 def stop_process_group(proc: subprocess.Popen, sig: int, timeout_s: float = 90) -> None:
@@ -241,7 +246,8 @@ def ray_head(tiny_models) -> Iterator[RayHead]:
         pytest.fail("a Ray instance is already initialised in this process")
     # A short path: Ray's Unix sockets live under it and must stay below the OS length limit.
     temp_dir = tempfile.mkdtemp(prefix="kk3-ray-")
-    head = RayHead(temp_dir=temp_dir, metrics_port=free_port(), http_port=free_port())
+    metrics_port, http_port = free_ports(2)
+    head = RayHead(temp_dir=temp_dir, metrics_port=metrics_port, http_port=http_port)
     start = time.perf_counter()
     for attempt in (1, 2):
         try:

@@ -35,7 +35,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import LOOPBACK, assert_ray_stays_on_this_machine, free_port
+from conftest import LOOPBACK, assert_ray_stays_on_this_machine, free_ports
 from kimi_k3_serve.commands.render import load_deploy_config, plan_replica, replica_shape_from_plan
 
 pytestmark = pytest.mark.ray
@@ -94,7 +94,8 @@ def fake_autoscaling_cluster():
 
     config = yaml.safe_load(FAKE_CLUSTER_FILE.read_text())
     head = config["available_node_types"][HEAD_NODE_TYPE]["resources"]
-    gcs_port = free_port()
+    # One draw for every port the head binds: ports drawn one by one can repeat, and `ray start` refuses that.
+    gcs_port, dashboard, client, agent_http, agent_grpc, runtime_env, metrics = free_ports(7)
     config["provider"]["gcs_address"] = f"{LOOPBACK}:{gcs_port}"  # the provider assumes 6379 otherwise
     # Short: Ray puts Unix sockets under it, and socket paths are limited to 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="k3fake")
@@ -110,12 +111,12 @@ def fake_autoscaling_cluster():
         f"--temp-dir={temp_dir}",
         f"--autoscaling-config={config_path}",
         "--include-dashboard=false",
-        f"--dashboard-port={free_port()}",  # a minimal dashboard still starts, on 8265 unless told otherwise
-        f"--ray-client-server-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
+        f"--dashboard-port={dashboard}",  # a minimal dashboard still starts, on 8265 unless told otherwise
+        f"--ray-client-server-port={client}",
+        f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}",
         "--object-store-memory=100000000",
         "--disable-usage-stats",
     ]

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from kimi_k3_serve.serving.haproxy_loopback import loopback_config, stand_in_path
-from kimi_k3_serve.serving.ports import free_loopback_port
+from kimi_k3_serve.serving.ports import free_loopback_ports
 
 haproxy = pytest.importorskip("ray.serve._private.haproxy")
 
@@ -30,7 +30,7 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 def _started_haproxy(tmp_path: Path, monkeypatch, binary: Path | None):
     from ray.serve.config import HTTPOptions
 
-    stats, metrics, http = free_loopback_port(), free_loopback_port(), free_loopback_port()
+    stats, metrics, http = free_loopback_ports(3)
     cfg = haproxy.HAProxyConfig(stats_port=stats, metrics_port=metrics, socket_path=str(tmp_path / "admin.sock"),
                                 server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
                                 http_options=HTTPOptions(host="127.0.0.1", port=http), enable_hap_optimization=False)

@@ -28,3 +28,14 @@ def test_with_the_gap_taken_the_kernel_chooses(monkeypatch) -> None:
         assert port != taken
         with socket.socket() as s:
             s.bind((ports.LOOPBACK, port))
+
+
+def test_ports_drawn_together_are_all_different_even_from_a_gap_of_one(monkeypatch) -> None:
+    # A gap of one free port: drawn one call at a time, that port comes back every time; drawn together, each is
+    # held until all are chosen, so the kernel supplies the other six and no two are the same.
+    low = 29000
+    monkeypatch.setattr(ports, "ABOVE_RAY_WORKER_PORTS", low)
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: low + 1)
+    chosen = ports.free_loopback_ports(7)
+    assert len(set(chosen)) == 7
+    assert chosen.count(low) <= 1

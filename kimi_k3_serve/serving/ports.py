@@ -10,6 +10,7 @@ are left out too.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 from pathlib import Path
@@ -30,18 +31,30 @@ def _ephemeral_low() -> int:
         return DEFAULT_EPHEMERAL_LOW
 
 
-def free_loopback_port(host: str = LOOPBACK) -> int:
-    """A port free on ``host`` now, outside the ranges Ray and the kernel hand out; the kernel's choice where that
-    gap is too narrow or full."""
+def free_loopback_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` different ports free on ``host`` now, outside the ranges Ray and the kernel hand out; the kernel's
+    choice where that gap is too narrow or full. Each stays bound until all are chosen, so no two are the same: ports
+    drawn one call at a time can repeat, and ``ray start`` then refused two components on one port (CI, 2026-12-04)."""
     gap = [port for port in range(ABOVE_RAY_WORKER_PORTS, _ephemeral_low())
            if port not in SERVE_DIRECT_INGRESS_HTTP_PORTS]
-    for port in random.sample(gap, min(len(gap), 256)):
-        with socket.socket() as s:
+    chosen: list[int] = []
+    with contextlib.ExitStack() as held:
+        for port in random.sample(gap, min(len(gap), 256 + count)):
+            if len(chosen) == count:
+                break
+            s = held.enter_context(socket.socket())
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            chosen.append(port)
+        while len(chosen) < count:
+            s = held.enter_context(socket.socket())
+            s.bind((host, 0))
+            chosen.append(s.getsockname()[1])
+    return chosen
+
+
+def free_loopback_port(host: str = LOOPBACK) -> int:
+    """One port as :func:`free_loopback_ports` chooses them."""
+    return free_loopback_ports(1, host)[0]
