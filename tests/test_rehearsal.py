@@ -369,7 +369,9 @@ def test_the_mla_eagle3_profile_step_is_vllms_shapes() -> None:
     8,192 tokens x (7,168 x (1 + 3 aux + 3) + 2 x 7,168 + 2,112 + 2,048 + 96 x 192 + 96 x 128) x 2 B. Their sum, 4.75
     GiB, is vLLM's transient peak of that run (6.27 - 1.51 GiB in its log); the drafter's graphs are the 51 + 33 + 11
     and 19 + 9 + 5 the H200 logged."""
-    from kimi_k3_serve.planning.memory import eagle3_draft_graphs, eagle3_mla_profile_bytes, mla_chunked_prefill_rows
+    from kimi_k3_serve.planning.memory import (
+        cuda_graph_capture_sizes, eagle3_draft_graphs, eagle3_mla_profile_bytes, mla_chunked_prefill_rows,
+    )
 
     assert mla_chunked_prefill_rows(8192, 64, 5888) == 70656
     assert mla_chunked_prefill_rows(32768, 16, 768) == 66048
@@ -382,10 +384,14 @@ def test_the_mla_eagle3_profile_step_is_vllms_shapes() -> None:
     assert abs((held + stand_in) / GiB - (6.27 - 1.51)) <= 0.02
     _, tp8 = eagle3_mla_profile_bytes(model, draft, 8, 8192, 16, 32768, 768)  # 12 heads a rank
     assert tp8 == 66048 * 12 * 256 * 2
-    assert eagle3_draft_graphs(512, 64, 3, True) == 51 + 33 + 11
-    assert eagle3_draft_graphs(128, 16, 3, True) == 19 + 9 + 5
-    assert eagle3_draft_graphs(128, 16, 1, True) == 19 + 6  # one step: FULL prefill at 2, 4, 8, 16, 24, 32; no decode
-    assert eagle3_draft_graphs(128, 16, 3, False) == 19  # PIECEWISE only
+    up_to_512 = cuda_graph_capture_sizes(64, 4, 8192, (9, 0))  # 64 sequences, k = 3
+    up_to_128 = cuda_graph_capture_sizes(16, 4, 8192, (9, 0))  # 16 sequences, k = 3
+    assert (len(up_to_512), up_to_512[-1], len(up_to_128), up_to_128[-1]) == (51, 512, 19, 128)
+    assert eagle3_draft_graphs(up_to_512, 64, 3, True) == 51 + 33 + 11
+    assert eagle3_draft_graphs(up_to_128, 16, 3, True) == 19 + 9 + 5
+    # One step: FULL prefill graphs at 2, 4, 8, 16, 24 and 32 tokens, and no decode manager.
+    assert eagle3_draft_graphs(up_to_128, 16, 1, True) == 19 + 6
+    assert eagle3_draft_graphs(up_to_128, 16, 3, False) == 19  # PIECEWISE only
 
 
 def two_gpu_run(name: str):

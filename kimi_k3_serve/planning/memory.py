@@ -12,7 +12,6 @@ TP/EP shape, so a Kimi-K3 estimate costs well under a millisecond after the firs
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from dataclasses import dataclass, replace
@@ -86,19 +85,19 @@ stage's profile: held from the target's forward into the draft's step (under bot
 ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 4.61 while the draft logits were added on top of the
 forward's peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart,
 ``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.75 * MiB), "default": 14 * MiB}
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.78 * MiB), "default": 14 * MiB}
 """Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
 once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
 Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.38 * MiB), "default": 0}
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.14 * MiB), "default": 0}
 """What one local decoder layer adds to the estimate, once for the stage, not per graph (fitted with
 ``CUDA_GRAPH_PER_GRAPH``; charged per graph and refitted, it over-predicted r49-s0-b2048-s512 by 164 %)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.15 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.31 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. DSpark's graphs are its own FULL graphs (sizes in
@@ -109,7 +108,7 @@ TP8 rank and 32,768 tokens; twice that at 65,536). Before that lane was counted 
 none per target graph; its drafter's own graphs are counted instead (``eagle3_draft_graphs``), each at the target's
 per-graph cost (not fitted on an EAGLE3 run)."""
 CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.03 * MiB)}
-CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(9.42 * KiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(9.73 * KiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it, per target attention head on
 the rank (fitted with ``CUDA_GRAPH_PER_GRAPH``, in KiB). vLLM's estimate charges all but one FULL graph at 1 MiB
 (the second sample's drop in free memory is negative: ``bands.CUDA_GRAPHS`` says why, and what that adds); with
@@ -1096,14 +1095,14 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
                 mnbt: int, seqs: int, cc: tuple[int, int]) -> tuple[int, int, str]:
     if engine.enforce_eager:
         return 0, 0, "enforce_eager: no CUDA graphs"
-    # config/vllm.py: min(max_num_seqs * decode_query_len * 2, 1024 on SM100 else 512), within the token budget.
     query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
-    largest = min(1024 if cc[0] == 10 else 512, max(seqs, 1) * query_len * 2, mnbt)
-    num_sizes = _num_capture_sizes(largest)
+    sizes = cuda_graph_capture_sizes(seqs, query_len, mnbt, cc)
+    largest = sizes[-1]
+    num_sizes = len(sizes)
     # FULL_AND_PIECEWISE (hybrid or MLA models): a PIECEWISE graph per capture size, and a FULL graph per uniform
     # decode batch (v1/worker/gpu/cudagraph_utils.py CudaGraphManager._init_candidates: each size rounded up to a
     # multiple of the decode query length, up to max_num_seqs of them); the drafter's graphs follow the decode batches.
-    num_full = len(_uniform_decode_graph_tokens(largest, seqs, query_len)) if model.is_hybrid or model.uses_mla else 0
+    num_full = len(uniform_decode_graph_tokens(sizes, seqs, query_len)) if model.is_hybrid or model.uses_mla else 0
     graphs = num_sizes + num_full
     shared = _forward_activation(model, layout, largest, start, end)
     family = model.family if model.family in CUDA_GRAPH_PER_GRAPH else "default"
@@ -1120,7 +1119,7 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         if spec.method == "dspark":
             # DSpark's own FULL graphs: N query rows a request (anchor + N-1 noise), not the target's 1 + N
             # (spec_decode/dspark/speculator.py num_query_per_req; dflash/cudagraph.py), so their own sizes.
-            draft_tokens = _uniform_decode_graph_tokens(largest, seqs, spec.num_speculative_tokens)
+            draft_tokens = uniform_decode_graph_tokens(sizes, seqs, spec.num_speculative_tokens)
             num_draft = len(draft_tokens)
             lane = _dspark_capture_lane_bytes(spec, layout, max(draft_tokens, default=0), engine.max_model_len, cc)
             est += lane
@@ -1128,7 +1127,7 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         est += num_draft * per_draft_graph
         draft += f" + {num_draft} draft graphs x {per_draft_graph / MiB:.1f} MiB" if per_draft_graph else ""
         if spec.method == "eagle3":
-            drafter = eagle3_draft_graphs(largest, seqs, spec.num_speculative_tokens, num_full > 0)
+            drafter = eagle3_draft_graphs(sizes, seqs, spec.num_speculative_tokens, num_full > 0)
             est += drafter * per_graph
             draft += f" + the EAGLE3 drafter's {drafter} graphs, captured in full, at the target's per-graph cost"
     return est, max(est // 2, GiB // 2), (
@@ -1138,12 +1137,43 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     )
 
 
-def _uniform_decode_graph_tokens(largest: int, seqs: int, query_len: int) -> list[int]:
-    """The tokens of vLLM's FULL uniform-decode graphs: the capture sizes up to ``largest`` rounded up to a multiple
-    of the decode query length, within ``max_num_seqs`` requests and ``largest`` tokens, without repeats
+def cuda_graph_capture_sizes(max_num_seqs: int, decode_query_len: int, max_num_batched_tokens: int,
+                             cc: tuple[int, int]) -> tuple[int, ...]:
+    """The token counts vLLM 0.32 captures CUDA graphs for, ascending, as ``VllmConfig._set_cudagraph_sizes`` sets
+    them when the config names none (config/vllm.py): 1, 2, 4, steps of 8 below 256 and of 16 from 256, up to
+    ``min(max_num_seqs x decode_query_len x 2, 1024 on compute capability 10.x else 512, max_num_batched_tokens)``;
+    then ``max_num_batched_tokens`` where it is below that ceiling, and the uniform decode batches wherever they
+    are off that grid: ``max_num_seqs`` itself with one query a request (15 sequences add a 15: H200, r23-s0-pp4,
+    7 PIECEWISE graphs), and with a draft each request count of the same grid up to ``max_num_seqs``, and that
+    count itself, times the decode query length."""
+    platform_max = 1024 if cc[0] == 10 else 512
+    seqs = max(max_num_seqs, 1)
+    ceiling = min(seqs * decode_query_len * 2, platform_max)
+    if decode_query_len > 1:
+        max_reqs = min(seqs, platform_max)
+        counts = set(_grid(max_reqs)) | {max_reqs}
+        uniform = {n * decode_query_len for n in counts if n * decode_query_len <= ceiling}
+    else:
+        uniform = {seqs} if seqs <= ceiling else set()
+    ceiling = min(max_num_batched_tokens, ceiling)
+    sizes = set(_grid(ceiling))
+    if max_num_batched_tokens <= ceiling:
+        sizes.add(max_num_batched_tokens)
+    sizes |= {size for size in uniform if size <= max_num_batched_tokens}
+    return tuple(sorted(sizes))
+
+
+def _grid(largest: int) -> list[int]:
+    """vLLM's default capture grid up to ``largest``: 1, 2, 4, then steps of 8 to 256, then of 16."""
+    return [s for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16)) if s <= largest]
+
+
+def uniform_decode_graph_tokens(sizes: Sequence[int], seqs: int, query_len: int) -> list[int]:
+    """The tokens of vLLM's FULL uniform-decode graphs: the capture ``sizes`` rounded up to a multiple of the decode
+    query length, within ``max_num_seqs`` requests and the largest size, without repeats
     (``CudaGraphManager._init_candidates``)."""
-    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16))
-    rounded = {-(-s // query_len) * query_len for s in sizes if s <= largest}
+    largest = max(sizes, default=0)
+    rounded = {-(-s // query_len) * query_len for s in sizes}
     return sorted(r for r in rounded if r <= max(seqs, 1) * query_len and r <= largest)
 
 
@@ -1162,7 +1192,7 @@ def _dspark_capture_lane_bytes(spec: SpeculativeSettings, layout: Layout, rows: 
     return triton_mla_logits_bytes(rows, 1, heads, mla.kv_lora_rank, max_model_len, cc)
 
 
-def eagle3_draft_graphs(largest: int, seqs: int, num_spec: int, full_and_piecewise: bool) -> int:
+def eagle3_draft_graphs(sizes: Sequence[int], seqs: int, num_spec: int, full_and_piecewise: bool) -> int:
     """The EAGLE3 drafter's CUDA graphs, which ``profile_cudagraph_memory`` captures in full (v1/worker/gpu/
     cudagraph_utils.py; only the target's FULL graphs are sampled). ``TargetDependentARSpeculator.
     init_cudagraph_manager`` (spec_decode/target_dependent_ar/speculator.py) builds a prefill manager in the target's
@@ -1171,20 +1201,12 @@ def eagle3_draft_graphs(largest: int, seqs: int, num_spec: int, full_and_piecewi
     ``max_num_seqs x (k + 1)`` and the largest size); and, for k > 1 under a FULL decode mode, a FULL_DECODE_ONLY
     decode manager with one token per request: a FULL graph per capture size up to ``max_num_seqs``. 51 + 33 + 11 at
     512 / 64 sequences / k = 3, as vLLM logged on the H200 (2026-12-01)."""
-    sizes = [s for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16)) if s <= largest]
     graphs = len(sizes)
     if full_and_piecewise:
-        q = num_spec + 1
-        graphs += len({cdiv(s, q) * q for s in sizes if cdiv(s, q) * q <= min(seqs * q, largest)})
+        graphs += len(uniform_decode_graph_tokens(sizes, seqs, num_spec + 1))
         if num_spec > 1:
             graphs += sum(1 for s in sizes if s <= seqs)
     return graphs
-
-
-@functools.lru_cache(maxsize=64)
-def _num_capture_sizes(largest: int) -> int:
-    """How many CUDA-graph batch sizes vLLM captures up to ``largest``: 1, 2, 4, then steps of 8 to 256, then 16."""
-    return sum(1 for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16)) if s <= largest)
 
 
 def kv_grouping(model: ModelInventory, layout: Layout, engine: EngineSettings, compute_capability: tuple[int, int] = (9, 0)) -> KvGrouping:
