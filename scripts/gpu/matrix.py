@@ -316,6 +316,22 @@ SETS: dict[str, list[Job]] = {
         kimi("k7-tp1-b2048-s128-dspark-u081", 7, seqs=128, util=0.81, role="validation", expected_s=170),
         kimi("k8-tp1-b4096-s64-dspark", 8, tokens=4096, seqs=64, role="validation", expected_s=170),
     ],
+    # Roles fixed 2026-12-04 (twenty-first session), before these run, after the plan's CUDA-graph sizes were made
+    # vLLM's own (planning/memory.py cuda_graph_capture_sizes: a max_num_seqs off the grid of 8s and 16s is a size of
+    # its own, and with a draft so is each uniform decode batch off it; 77 of 77 logged runs agree) and the
+    # CUDA-graph constants refitted on their fit runs. Fit runs: full-width slices that log the cache vLLM's second
+    # sampled FULL graph releases (graph_samples.py) at 4,096 tokens, where the profile ran 0.09 to 0.22 GiB over
+    # the plan's (k4, k5, k8). Validation runs: new shapes, among them
+    # max_num_seqs off the grid on both stages' ranks (35 with DSpark adds a 280-token size; 27 without a draft adds
+    # a 27), scored by the model shipped once the fit runs are read, and before these are opened.
+    "ranks-round17": [
+        kimi("k6-tp1-b4096-s128-dspark", 6, tokens=4096, seqs=128, role="fit", expected_s=170),
+        kimi("k8-tp1-b4096-s32-dspark", 8, tokens=4096, seqs=32, role="fit", expected_s=170),
+        rank("r44-s1-dspark-b8192-s35", 1, role="validation", tokens=8192, seqs=35, expected_s=300),
+        rank("r49-s0-b8192-s27", 0, role="validation", tokens=8192, seqs=27, expected_s=300),
+        kimi("k6-tp1-b4096-s96-dspark-u090", 6, tokens=4096, seqs=96, util=0.90, role="validation", expected_s=170),
+        kimi("k7-tp1-b3072-s64-dspark", 7, tokens=3072, seqs=64, role="validation", expected_s=170),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
