@@ -394,3 +394,26 @@ def test_a_later_stage_holds_every_attnres_block_from_layer_0(k3) -> None:
     # Stage 0 (49 layers from 0) and a 49-layer slice are the same shape.
     assert kimi_forward_peak_bytes_per_token(k3, 0, 49) == kimi_forward_peak_bytes_per_token(
         inventory_from_config(slice_text_config(read_config("kimi-k3")[0], 49), name="s49"), 0, 49)
+
+
+@pytest.mark.parametrize("layers, last_kda, held", [(4, 2, 2), (5, 4, 4), (8, 6, 4)])
+def test_a_kda_layers_peak_holds_the_hidden_states_captured_for_dspark_before_it(layers, last_kda, held) -> None:
+    """A full-width slice with DSpark at 4,096 tokens peaks in its last KDA layer (layer 2, 4 and 6 of the 4-, 5- and
+    8-layer slices), beside the target hidden states vLLM has captured for the draft before it (aux layers 1-4,
+    1-5 and 1, 3, 5, 6, 8: DSpark's target layers + 1, as vLLM logged them). The H200 profiled 0.09 GiB over the plan
+    on the first and 0.20-0.22 GiB on the others before these were counted (k4-, k5-tp1-b4096-s128-dspark,
+    k8-tp1-b4096-s64-dspark); 2 and 4 of them are 0.11 and 0.22 GiB."""
+    from kimi_k3_serve.models import inventory_from_config, read_config
+    from kimi_k3_serve.planning.memory import aux_hidden_state_layers
+    from kimi_k3_serve.rehearsal.slicing import slice_draft_config, slice_text_config
+
+    target = inventory_from_config(slice_text_config(read_config("kimi-k3")[0], layers), name="slice")
+    draft = inventory_from_config(slice_draft_config(read_config("kimi-k3-dspark")[0], layers), name="dspark")
+    assert aux_hidden_state_layers(draft) == {4: (1, 2, 3, 4), 5: (1, 2, 3, 4, 5), 8: (1, 3, 5, 6, 8)}[layers]
+    engine = EngineSettings(max_model_len=8192, max_num_batched_tokens=4096, max_num_seqs=64,
+                            speculative=SpeculativeSettings("dspark", 7, draft=draft))
+    report = estimate_memory(target, Layout(tp=1), engine, device("H200"))
+    activation = next(e for e in report.estimates if e.name == "activation_bytes")
+    assert activation.basis.startswith("a KDA layer's forward")
+    aux = held * 4096 * 7168 * 2
+    assert f"aux hidden states captured before layer {last_kda} ({aux // MiB:,} MiB)" in activation.basis

@@ -93,12 +93,30 @@ def test_the_pipeline_receive_buffer_is_a_term_of_the_later_stage_only(sliced):
     real, slice_args, _, _, rank = sliced
     section = rank_section(predict(real, DEVICE), predict(slice_args, DEVICE), rank, None)
     workspaces = next((t["delta_bytes"] for t in section["terms"] if t["name"] == "workspaces"), 0)
-    # vLLM's make_empty_intermediate_tensors: hidden state + cdiv(49, 12) = 5 AttnRes residuals at 8192 tokens.
-    assert workspaces == (0 if rank.is_first else 8192 * 7168 * 2 * (1 + 5))
+    # vLLM's make_empty_intermediate_tensors: hidden state + cdiv(49, 12) = 5 AttnRes residuals at 8192 tokens, and a
+    # slot for each of DSpark's target layers stage 0 captures (2, 23 and 47 of 2, 23, 47, 71, 89:
+    # reserve_aux_intermediate_tensor_slots, bisect_right of the aux layers 3, 24, 48, 72, 90 at layer 49).
+    assert workspaces == (0 if rank.is_first else 8192 * 7168 * 2 * (1 + 5 + 3))
     # The real TP8 rank holds NCCL's NVLS buffers (deploy/config.yaml leaves NVLS on), the TP1 slice none: 256 MiB
     # of the non-torch difference, the rest the TP>2 all-reduce buffers.
     non_torch = next(t for t in section["terms"] if t["name"] == "non_torch")
     assert non_torch["delta_bytes"] == NON_TORCH_TP_MULTI + 256 * 2**20 - NON_TORCH_TP1 and "NVLS" in non_torch["source"]
+
+
+def test_stage_0_holds_the_hidden_states_it_captures_for_the_draft_on_stage_1(sliced):
+    """The real stage 0 captures DSpark's target layers 2, 23 and 47 for the draft on stage 1 and holds them through its
+    forward (models/kimi_k3/nvidia/model.py ``forward``): 3 x 8192 tokens x 7168 x 2 B at its last MoE layer. Its
+    rank slice runs without a draft, so this is a term only the real layout has; the slice also runs the sampler,
+    which the real stage 0 does not (15 sequences x vocab 163,840 x 4 B x the fitted copies)."""
+    from kimi_k3_serve.planning.memory import SAMPLER_FP32_VOCAB_COPIES
+
+    real, slice_args, _, _, rank = sliced
+    if not rank.is_first:
+        pytest.skip("stage 0's term")
+    section = rank_section(predict(real, DEVICE), predict(slice_args, DEVICE), rank, None)
+    activation = next(t for t in section["terms"] if t["name"] == "activation")
+    sampler = int(15 * 163840 * 4 * SAMPLER_FP32_VOCAB_COPIES)
+    assert activation["delta_bytes"] == 3 * 8192 * 7168 * 2 - sampler
 
 
 def test_a_head_count_tp_does_not_divide_is_refused_by_name():

@@ -37,8 +37,11 @@ PROFILE = Band("profile_non_kv", 0.07, int(0.45 * GiB),
                "round 5: the TP8 rank slices' profiles within 0.1 GiB, r49-s0-b12288-s128-u090 exact; eighth session: "
                "-0.25 GiB with the KDA layer's peak and the held buffers; 2026-12-03: -0.26 GiB with DSpark's step as "
                "a peak of its own; tenth session: r44-s1-dspark-b8192-s512, stage 1's rank at 512 sequences, 4.88 / 5.15 GiB, "
-               "-0.27 GiB, -5.2 %, the worst now); the band stays max(0.45 GiB, 7 %), which also covers the "
-               "group's worst leave-one-out error (rehearse-tp2, -0.42 GiB)")
+               "-0.27 GiB, -5.2 %, the worst now; twenty-first session: a KDA layer's peak holds the hidden states "
+               "captured for DSpark before it, read from vLLM's code after the 4,096-token full-width runs had missed "
+               "by up to -0.22 GiB: k5-tp1-b4096-s128-dspark 2.69 / 2.72 and k8-tp1-b4096-s64-dspark 2.65 / 2.66 GiB; "
+               "the profile constants refitted, r49-s0-b2048-s64 1.20 / 1.29, -0.09 GiB); the band stays "
+               "max(0.45 GiB, 7 %), which also covers the group's worst leave-one-out error (rehearse-tp2, -0.42 GiB)")
 PROFILE_OTHER_FAMILIES = Band("profile_non_kv", 0.07, int(0.6 * GiB),
                               "llama-3.1-8b-tp1 (2026-11-30): 0.83 GiB planned, 1.39 GiB profiled (-0.56 GiB) once the "
                               "max_num_seqs x vocab buffers were fitted as held (2026-12-02, eighth session): a model "

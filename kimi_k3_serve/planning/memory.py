@@ -12,6 +12,7 @@ TP/EP shape, so a Kimi-K3 estimate costs well under a millisecond after the firs
 
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 from dataclasses import dataclass, replace
@@ -39,7 +40,7 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(403.62 * MiB)
+NON_TORCH_TP1 = int(369.41 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
 """Post-snapshot memory the profile sees besides weights and activations. TP1: 0.39 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
@@ -61,16 +62,17 @@ fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 
 with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens, stage 1's rank with
 DSpark at 16,384 among them; H200, 2026-11-30 to 2026-12-03;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 1.09
+SAMPLER_FP32_VOCAB_COPIES = 1.06
 """A fitted factor of fp32 ``max_num_seqs x vocab`` tensors held through the last stage's whole profile run, under
-either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds there:
-the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what grows
-with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
+either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds
+there: the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what
+grows with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
 ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py), 1.06 fp32 copies by the code's
-shapes; the fit says 1.09 (0.92 while DSpark's draft logits were added to the forward's peak; until 2026-12-02 it was
-added to the forward's peak as 2.54 copies, which the KDA layer's own peak, ``kda_forward_peak_bytes_per_token``, now
-explains on the full-width slices)."""
-DSPARK_PROFILE_LOGITS_COPIES = 1.63
+shapes; the fit says 1.06 (1.09 until the KDA layer's peak held DSpark's hidden states, twenty-first session; 0.92
+while DSpark's draft logits were added to the forward's peak; until 2026-12-02 it was added to the forward's peak as
+2.54 copies, which the KDA layer's own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width
+slices)."""
+DSPARK_PROFILE_LOGITS_COPIES = 1.66
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
@@ -79,7 +81,7 @@ positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_st
 ``propose`` runs after the target's forward has returned, so these logits peak beside what the forward leaves held
 (the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's (2026-12-03;
 1.18 copies while they were added on top, which put stage 1's rank at 16,384 tokens and 256 sequences 0.46 GiB over)."""
-DRAFT_HIDDEN_COPIES = {"dspark": 5.44, "default": 6}
+DRAFT_HIDDEN_COPIES = {"dspark": 5.70, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
 stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
 ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 4.61 while the draft logits were added on top of the
@@ -479,7 +481,7 @@ def estimate_memory(
         after_kv += shared.unseen_bytes
         if shared.unseen_bytes:
             estimates.append(Estimate("workspace:shared_unseen", s, shared.unseen_bytes, 0, shared.describe()))
-        pp_receive = pp_receive_buffer_bytes(model, s, start, mnbt)
+        pp_receive = pp_receive_buffer_bytes(model, s, start, mnbt, aux_hidden_state_layers(draft))
         if pp_receive:  # exact: shapes from vLLM's code
             ws += pp_receive
             estimates.append(Estimate("workspace:pp_receive", s, pp_receive, 0, PP_RECEIVE_BASIS))
@@ -638,17 +640,42 @@ def shared_workspace(model: ModelInventory, layout: Layout, engine: EngineSettin
 
 PP_RECEIVE_BASIS = ("pipeline receive buffer: hidden state + residual at max_num_batched_tokens, kept for the CUDA "
                     "graphs' addresses (vLLM v1/worker/gpu/model_runner.py load_model, make_empty_intermediate_tensors; "
-                    "Kimi-K3: one residual per AttnRes block before the stage); exact")
+                    "Kimi-K3: one residual per AttnRes block before the stage; with DSpark, one slot per aux hidden "
+                    "state captured on an earlier stage, eagle3_utils.py reserve_aux_intermediate_tensor_slots); exact")
 
 
-def pp_receive_buffer_bytes(model: ModelInventory, stage: int, start: int, max_num_batched_tokens: int) -> int:
+def pp_receive_buffer_bytes(model: ModelInventory, stage: int, start: int, max_num_batched_tokens: int,
+                            aux_layers: Sequence[int] = ()) -> int:
     """What a stage after the first allocates while its model loads to receive the previous stage's tensors: the
     hidden state and the residual, ``max_num_batched_tokens`` rows each; under Block Attention Residuals the residual
-    holds one row per block before the stage (``cdiv(start_layer, attn_res_block_size)``)."""
+    holds one row per block before the stage (``cdiv(start_layer, attn_res_block_size)``). With a draft that taps
+    the target's hidden states, a slot for each one captured before the stage (``aux_layers``, see
+    ``aux_hidden_state_layers``: ``bisect_right(aux_layers, start_layer)`` of them, ``EagleModelMixin.
+    _cache_aux_pp_layout``): 3 on stage 1 of deploy/config.yaml, 0.33 GiB at 8,192 tokens."""
     if stage == 0:
         return 0
     residuals = cdiv(start, model.attn_res_block_size) if model.attn_res_block_size else 1
-    return max_num_batched_tokens * model.hidden_size * (DTYPE_BITS[model.dtype] // 8) * (1 + residuals)
+    aux = bisect.bisect_right(sorted(aux_layers), start)
+    return max_num_batched_tokens * model.hidden_size * (DTYPE_BITS[model.dtype] // 8) * (1 + residuals + aux)
+
+
+def aux_hidden_state_layers(draft: ModelInventory | None) -> tuple[int, ...]:
+    """The target layers whose input vLLM 0.32 keeps for a DSpark draft (the model's ``aux_hidden_state_layers``):
+    each of its ``target_layer_ids`` + 1 (``get_eagle3_aux_layers_from_config``), so the hidden state after layer
+    ``id`` is captured as the next layer begins (models/kimi_k3/nvidia/model.py ``forward``) and held to the end of
+    the forward, then sent on to the last stage. () for other drafts: an EAGLE3 draft's layers are not in its
+    inventory, and its profile is fitted apart."""
+    if draft is None or draft.draft is None or draft.draft.method != "dspark":
+        return ()
+    return tuple(sorted({layer + 1 for layer in draft.draft.target_layer_ids}))
+
+
+def _aux_held_bytes(model: ModelInventory, aux_layers: Sequence[int], start: int, layer: int, tokens: int) -> int:
+    """The aux hidden states this stage has captured, and still holds, while ``layer`` runs: those after a layer
+    of the stage before it (``start < aux <= layer``), ``tokens`` x hidden each. The ones captured on an earlier
+    stage sit in the receive buffer (``pp_receive_buffer_bytes``)."""
+    held = sum(1 for aux in aux_layers if start < aux <= layer)
+    return held * tokens * model.hidden_size * (DTYPE_BITS[model.dtype] // 8)
 
 
 def _outside_budget(model: ModelInventory, world: int, cc: tuple[int, int]) -> int:
@@ -920,7 +947,16 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
     fwd = _forward_activation(model, layout, mnbt, start, end, moe_tokens=mnbt * gathered)
     basis = f"forward at max_num_batched_tokens={mnbt}" + (f" (experts on the {gathered} DP ranks' tokens)" if gathered > 1 else "")
     peak, held, held_basis, hidden = fwd, 0, "", 0
-    if stage == layout.pp - 1:
+    aux_layers = aux_hidden_state_layers(draft)
+    last_stage = stage == layout.pp - 1
+    if aux_layers and not last_stage:
+        # A stage before the draft's holds what it has captured for it (on the last stage the draft's hidden
+        # states, fitted below, stand for them).
+        last_moe = max((i for i in range(start, end) if model.layers[i].mlp == "moe"), default=end - 1)
+        if aux := _aux_held_bytes(model, aux_layers, start, last_moe, mnbt):
+            peak += aux
+            basis += f" + the draft's aux hidden states captured before layer {last_moe} ({aux / MiB:,.0f} MiB)"
+    if last_stage:
         if draft is not None:
             copies = DRAFT_HIDDEN_COPIES.get(draft.family, DRAFT_HIDDEN_COPIES["default"])
             hidden = int(mnbt * draft.hidden_size * 2 * copies)
@@ -958,10 +994,16 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
         moe_before_kda = any(model.layers[i].mlp == "moe" and any(isinstance(model.layers[j].kv, KdaState)
                                                                   for j in range(i + 1, end)) for i in range(start, end))
         workspace = fwd - mnbt * kimi_forward_peak_bytes_per_token(model, start, end)
-        kda_peak = kda + (workspace if moe_before_kda else 0)
+        # The last KDA layer's, beside the aux hidden states captured before it (H200: the profile of full-width
+        # slices with DSpark at 4,096 tokens ran 0.09 GiB over the plan with 2 held, 0.20-0.22 GiB with 4).
+        last_kda = max(i for i in range(start, end) if isinstance(model.layers[i].kv, KdaState))
+        aux = _aux_held_bytes(model, aux_layers, start, last_kda, mnbt)
+        kda_peak = kda + (workspace if moe_before_kda else 0) + aux
         if kda_peak > peak:
             basis = (f"a KDA layer's forward at max_num_batched_tokens={mnbt} ({kda // mnbt:,} B per token, exact "
-                     f"shapes, vLLM models/kimi_k3/nvidia/kda.py) over the MoE layers' peak and what follows it ({basis})")
+                     f"shapes, vLLM models/kimi_k3/nvidia/kda.py)"
+                     + (f" + the draft's aux hidden states captured before layer {last_kda} ({aux / MiB:,.0f} MiB)"
+                        if aux else "") + f" over the MoE layers' peak and what follows it ({basis})")
             peak = kda_peak
     peak += held
     return peak, max(peak // 4, 256 * MiB), basis + held_basis + "; +-25% (H200 residuals <= 0.3 GiB)"

@@ -140,7 +140,8 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
     for name, attr, source in (
             ("activation", "activation_bytes", "the plan's profile peak (the sampler runs on the last stage only; a "
                                                "later stage's forward holds every AttnRes block from layer 0, where "
-                                               "the model, numbered from 0, holds its own: from vLLM's code)"),
+                                               "the model, numbered from 0, holds its own; a stage before the draft's "
+                                               "holds the hidden states it captures for it: from vLLM's code)"),
             ("non_torch", "non_torch_bytes", "the plan's post-snapshot non-torch memory: TP>2 custom all-reduce buffers "
                                              "(2.1 GiB, llm-d on H100; not measured on an H200 at TP8) and NCCL's NVLS "
                                              "buffers where the config leaves NVLS on (planning/nvls.py, computed from "
@@ -152,7 +153,8 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
              "the plan's CUDA-graph estimate at the real TP (all-reduce nodes inside the graphs are not seen by a TP1 "
              "slice)"),
             ("workspaces", "workspace_bytes", "profiled workspaces, with the pipeline receive buffer of a stage after "
-                                              "the first (exact, from vLLM's make_empty_intermediate_tensors)")):
+                                              "the first and its slots for the draft's hidden states captured before "
+                                              "it (exact, from vLLM's make_empty_intermediate_tensors)")):
         delta = getattr(real, attr) - getattr(sliced, attr)
         if delta:
             terms.append(RankOnlyTerm(name, delta, False, source))

@@ -323,7 +323,10 @@ SETS: dict[str, list[Job]] = {
     # sampled FULL graph releases (graph_samples.py) at 4,096 tokens, where the profile ran 0.09 to 0.22 GiB over
     # the plan's (k4, k5, k8). Validation runs: new shapes, among them
     # max_num_seqs off the grid on both stages' ranks (35 with DSpark adds a 280-token size; 27 without a draft adds
-    # a 27), scored by the model shipped once the fit runs are read, and before these are opened.
+    # a 27), scored by the model shipped once the fit runs are read, and before these are opened. Since the roles
+    # were fixed the plan counts the hidden states vLLM keeps for DSpark (planning/memory.py aux_hidden_state_layers,
+    # same session): the full-width validation runs at 4,096 and 3,072 tokens, where a KDA layer's peak is the
+    # profile's, score that term out of sample too.
     "ranks-round17": [
         kimi("k6-tp1-b4096-s128-dspark", 6, tokens=4096, seqs=128, role="fit", expected_s=170),
         kimi("k8-tp1-b4096-s32-dspark", 8, tokens=4096, seqs=32, role="fit", expected_s=170),
