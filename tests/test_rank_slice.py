@@ -119,6 +119,19 @@ def test_stage_0_holds_the_hidden_states_it_captures_for_the_draft_on_stage_1(sl
     assert activation["delta_bytes"] == 3 * 8192 * 7168 * 2 - sampler
 
 
+def test_stage_1_does_not_count_the_hidden_states_it_receives_twice(sliced):
+    """On the real stage 1 the 3 hidden states stage 0 captured for DSpark are views of the receive buffer (counted
+    there, above), so the draft's hidden states, fitted on single-stage engines where all 5 are made in the forward,
+    lose them. What is left of the activation's difference is the forward's AttnRes blocks: cdiv(93, 12) = 8 from
+    layer 0 against the 44-layer slice's cdiv(44, 12) = 4, at 8192 tokens."""
+    real, slice_args, _, _, rank = sliced
+    if rank.is_first:
+        pytest.skip("stage 1's term")
+    section = rank_section(predict(real, DEVICE), predict(slice_args, DEVICE), rank, None)
+    activation = next(t for t in section["terms"] if t["name"] == "activation")
+    assert activation["delta_bytes"] == 8192 * 7168 * 2 * ((8 - 4) - 3)
+
+
 def test_a_head_count_tp_does_not_divide_is_refused_by_name():
     config = read_config("kimi-k3")[0]
     with pytest.raises(ConfigError, match="num_heads: got 96; a multiple of tensor_parallel_size 7"):

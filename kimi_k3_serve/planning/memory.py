@@ -655,8 +655,14 @@ def pp_receive_buffer_bytes(model: ModelInventory, stage: int, start: int, max_n
     if stage == 0:
         return 0
     residuals = cdiv(start, model.attn_res_block_size) if model.attn_res_block_size else 1
-    aux = bisect.bisect_right(sorted(aux_layers), start)
+    aux = received_aux_states(aux_layers, start)
     return max_num_batched_tokens * model.hidden_size * (DTYPE_BITS[model.dtype] // 8) * (1 + residuals + aux)
+
+
+def received_aux_states(aux_layers: Sequence[int], start: int) -> int:
+    """How many aux hidden states a stage starting at layer ``start`` receives from the stages before it:
+    ``bisect_right(aux_layers, start_layer)`` (``EagleModelMixin._cache_aux_pp_layout``); 0 on the first stage."""
+    return bisect.bisect_right(sorted(aux_layers), start) if start else 0
 
 
 def aux_hidden_state_layers(draft: ModelInventory | None) -> tuple[int, ...]:
@@ -960,8 +966,15 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
         if draft is not None:
             copies = DRAFT_HIDDEN_COPIES.get(draft.family, DRAFT_HIDDEN_COPIES["default"])
             hidden = int(mnbt * draft.hidden_size * 2 * copies)
+            # Fitted on single-stage engines, where every aux hidden state is made in the forward; on a later
+            # stage the ones captured before it are views of the receive buffer, counted there.
+            received = (received_aux_states(aux_layers, start) * mnbt * model.hidden_size
+                        * (DTYPE_BITS[model.dtype] // 8))
+            hidden = max(hidden - received, 0)
             peak += hidden
             basis += f" + the draft's hidden states, {copies:g} copies of max_num_batched_tokens x {draft.hidden_size}"
+            if received:
+                basis += f", less the {received / MiB:,.0f} MiB of them received from earlier stages"
         # Held through the whole profile run, under either peak: the buffers that grow with max_num_seqs x vocab.
         held = int(seqs * model.vocab_size * 4 * SAMPLER_FP32_VOCAB_COPIES)
         held_basis = f" + max_num_seqs={seqs} x vocab {model.vocab_size} ({SAMPLER_FP32_VOCAB_COPIES:g} fp32 copies, fitted)"
