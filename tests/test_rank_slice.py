@@ -103,33 +103,26 @@ def test_the_pipeline_receive_buffer_is_a_term_of_the_later_stage_only(sliced):
     assert non_torch["delta_bytes"] == NON_TORCH_TP_MULTI + 256 * 2**20 - NON_TORCH_TP1 and "NVLS" in non_torch["source"]
 
 
-def test_stage_0_holds_the_hidden_states_it_captures_for_the_draft_on_stage_1(sliced):
-    """The real stage 0 captures DSpark's target layers 2, 23 and 47 for the draft on stage 1 and holds them through its
-    forward (models/kimi_k3/nvidia/model.py ``forward``): 3 x 8192 tokens x 7168 x 2 B at its last MoE layer. Its
-    rank slice runs without a draft, so this is a term only the real layout has; the slice also runs the sampler,
-    which the real stage 0 does not (15 sequences x vocab 163,840 x 4 B x the fitted copies)."""
+def test_the_activation_differs_from_the_slices_by_the_aux_hidden_states_each_stage_holds(sliced):
+    """Stage 0: the real stage captures DSpark's target layers 2, 23 and 47 for the draft on stage 1 and holds them
+    through its forward (models/kimi_k3/nvidia/model.py ``forward``): 3 x 8192 tokens x 7168 x 2 B at its last MoE
+    layer. Its rank slice runs without a draft, so this is a term only the real layout has; the slice also runs the
+    sampler, which the real stage 0 does not (15 sequences x vocab 163,840 x 4 B x the fitted copies).
+
+    Stage 1: the 3 hidden states stage 0 captured are views of the receive buffer (counted there), so the draft's
+    hidden states, fitted on single-stage engines where all 5 are made in the forward, lose them rather than count
+    them twice. What is left of the difference is the forward's AttnRes blocks: cdiv(93, 12) = 8 from layer 0
+    against the 44-layer slice's cdiv(44, 12) = 4, at 8192 tokens."""
     from kimi_k3_serve.planning.memory import SAMPLER_FP32_VOCAB_COPIES
 
     real, slice_args, _, _, rank = sliced
-    if not rank.is_first:
-        pytest.skip("stage 0's term")
     section = rank_section(predict(real, DEVICE), predict(slice_args, DEVICE), rank, None)
     activation = next(t for t in section["terms"] if t["name"] == "activation")
-    sampler = int(15 * 163840 * 4 * SAMPLER_FP32_VOCAB_COPIES)
-    assert activation["delta_bytes"] == 3 * 8192 * 7168 * 2 - sampler
-
-
-def test_stage_1_does_not_count_the_hidden_states_it_receives_twice(sliced):
-    """On the real stage 1 the 3 hidden states stage 0 captured for DSpark are views of the receive buffer (counted
-    there, above), so the draft's hidden states, fitted on single-stage engines where all 5 are made in the forward,
-    lose them. What is left of the activation's difference is the forward's AttnRes blocks: cdiv(93, 12) = 8 from
-    layer 0 against the 44-layer slice's cdiv(44, 12) = 4, at 8192 tokens."""
-    real, slice_args, _, _, rank = sliced
     if rank.is_first:
-        pytest.skip("stage 1's term")
-    section = rank_section(predict(real, DEVICE), predict(slice_args, DEVICE), rank, None)
-    activation = next(t for t in section["terms"] if t["name"] == "activation")
-    assert activation["delta_bytes"] == 8192 * 7168 * 2 * ((8 - 4) - 3)
+        sampler = int(15 * 163840 * 4 * SAMPLER_FP32_VOCAB_COPIES)
+        assert activation["delta_bytes"] == 3 * 8192 * 7168 * 2 - sampler
+    else:
+        assert activation["delta_bytes"] == 8192 * 7168 * 2 * ((8 - 4) - 3)
 
 
 def test_a_head_count_tp_does_not_divide_is_refused_by_name():

@@ -656,13 +656,19 @@ def pp_receive_buffer_bytes(model: ModelInventory, stage: int, start: int, max_n
         return 0
     residuals = cdiv(start, model.attn_res_block_size) if model.attn_res_block_size else 1
     aux = received_aux_states(aux_layers, start)
-    return max_num_batched_tokens * model.hidden_size * (DTYPE_BITS[model.dtype] // 8) * (1 + residuals + aux)
+    return (1 + residuals + aux) * hidden_state_bytes(model, max_num_batched_tokens)
+
+
+def hidden_state_bytes(model: ModelInventory, tokens: int) -> int:
+    """One hidden state of ``tokens`` rows in the model dtype."""
+    return tokens * model.hidden_size * (DTYPE_BITS[model.dtype] // 8)
 
 
 def received_aux_states(aux_layers: Sequence[int], start: int) -> int:
-    """How many aux hidden states a stage starting at layer ``start`` receives from the stages before it:
+    """How many aux hidden states (``aux_layers`` sorted, as ``aux_hidden_state_layers`` gives them) a stage starting
+    at layer ``start`` receives from the stages before it:
     ``bisect_right(aux_layers, start_layer)`` (``EagleModelMixin._cache_aux_pp_layout``); 0 on the first stage."""
-    return bisect.bisect_right(sorted(aux_layers), start) if start else 0
+    return bisect.bisect_right(aux_layers, start) if start else 0
 
 
 def aux_hidden_state_layers(draft: ModelInventory | None) -> tuple[int, ...]:
@@ -681,7 +687,7 @@ def _aux_held_bytes(model: ModelInventory, aux_layers: Sequence[int], start: int
     of the stage before it (``start < aux <= layer``), ``tokens`` x hidden each. The ones captured on an earlier
     stage sit in the receive buffer (``pp_receive_buffer_bytes``)."""
     held = sum(1 for aux in aux_layers if start < aux <= layer)
-    return held * tokens * model.hidden_size * (DTYPE_BITS[model.dtype] // 8)
+    return held * hidden_state_bytes(model, tokens)
 
 
 def _outside_budget(model: ModelInventory, world: int, cc: tuple[int, int]) -> int:
@@ -968,8 +974,7 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             hidden = int(mnbt * draft.hidden_size * 2 * copies)
             # Fitted on single-stage engines, where every aux hidden state is made in the forward; on a later
             # stage the ones captured before it are views of the receive buffer, counted there.
-            received = (received_aux_states(aux_layers, start) * mnbt * model.hidden_size
-                        * (DTYPE_BITS[model.dtype] // 8))
+            received = received_aux_states(aux_layers, start) * hidden_state_bytes(model, mnbt)
             hidden = max(hidden - received, 0)
             peak += hidden
             basis += f" + the draft's hidden states, {copies:g} copies of max_num_batched_tokens x {draft.hidden_size}"
@@ -1228,7 +1233,7 @@ def uniform_decode_graph_tokens(sizes: Sequence[int], seqs: int, query_len: int)
     query length, within ``max_num_seqs`` requests and the largest size, without repeats
     (``CudaGraphManager._init_candidates``)."""
     largest = max(sizes, default=0)
-    rounded = {-(-s // query_len) * query_len for s in sizes}
+    rounded = {cdiv(s, query_len) * query_len for s in sizes}
     return sorted(r for r in rounded if r <= max(seqs, 1) * query_len and r <= largest)
 
 

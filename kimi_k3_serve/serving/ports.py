@@ -42,11 +42,13 @@ def free_loopback_ports(count: int, host: str = LOOPBACK) -> list[int]:
         for port in random.sample(gap, min(len(gap), 256 + count)):
             if len(chosen) == count:
                 break
-            s = held.enter_context(socket.socket())
+            s = socket.socket()
             try:
                 s.bind((host, port))
             except OSError:
+                s.close()  # only the chosen ones stay bound
                 continue
+            held.enter_context(s)
             chosen.append(port)
         while len(chosen) < count:
             s = held.enter_context(socket.socket())
