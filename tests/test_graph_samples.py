@@ -93,3 +93,94 @@ def test_the_engine_finds_the_plugin_and_a_plugin_list_names_it(tmp_path, monkey
     assert (tmp_path / "vllm-plugin" / "kimi_k3_rehearsal_full_graphs-0.dist-info" / "entry_points.txt").is_file()
     restricted = engine_env({"VLLM_PLUGINS": "lora_resolver"}, tmp_path)
     assert restricted["VLLM_PLUGINS"] == "lora_resolver,kimi_k3_rehearsal_full_graphs"
+
+
+SCOPE_PROCESS = """
+import sys
+from types import SimpleNamespace
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.v1.worker.gpu import cudagraph_utils
+from vllm.compilation.cudagraph_pool import _outside_cumem
+from kimi_k3_serve.rehearsal import graph_samples
+config = SimpleNamespace(use_cumem_cudagraph_pool=False)
+print("outside profiling:", graph_samples._profiling["captures"], flush=True)
+with cudagraph_utils.capture_pool((7, 1), config) as pool:
+    print("pool:", pool, "counted:", graph_samples._profiling["captures"], flush=True)
+with cudagraph_utils.capture_outside_cumem_pool():
+    print("vLLM's own scope still set:", _outside_cumem.get(), flush=True)
+    for _ in range(3):
+        with cudagraph_utils.capture_pool((7, 1), config) as pool:
+            pass
+    print("captures in profiling:", graph_samples._profiling["captures"], "pool:", pool, flush=True)
+print("after profiling:", graph_samples._profiling["active"], flush=True)
+"""
+
+
+def test_the_plugin_counts_vllms_sampled_full_captures_inside_its_profiling_scope_only(tmp_path) -> None:
+    """On the real vLLM: the plugin wraps cudagraph_utils' ``capture_outside_cumem_pool`` (entered by
+    ``profile_cudagraph_memory`` alone) and ``capture_pool`` (entered for each FULL capture), both still doing what
+    vLLM's do. Without a GPU there is no allocator to log; on the H200 the first two captures log the cache."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(graph_samples.install(tmp_path / "plugin")),
+                                                        os.environ.get("PYTHONPATH", "")))}
+    env.pop("VLLM_PLUGINS", None)
+    run = subprocess.run([sys.executable, "-c", SCOPE_PROCESS], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "outside profiling: 0" in out and "pool: (7, 1) counted: 0" in out  # the real capture: not counted
+    assert "vLLM's own scope still set: True" in out
+    assert "captures in profiling: 3 pool: (7, 1)" in out
+    assert "after profiling: False" in out
+    assert graph_samples.CACHE_MARKER not in out  # no CUDA allocator here: nothing to log
+
+
+def _segment(address: int, size_mib: int, allocated_mib: int = 0, pool=(0, 0)) -> dict:
+    """A segment as ``torch.cuda.memory._snapshot()`` gives it (torch/cuda/memory.py ``Segment``)."""
+    return {"device": 0, "address": address, "total_size": size_mib * MiB, "allocated_size": allocated_mib * MiB,
+            "active_size": allocated_mib * MiB, "segment_type": "large", "segment_pool_id": pool, "blocks": []}
+
+
+def _made(address: int, size_mib: int, *paths: tuple[str, int, str]) -> dict:
+    frames = [{"filename": f, "line": line, "name": name} for f, line, name in paths]
+    return {"action": "segment_alloc", "addr": address, "size": size_mib * MiB, "frames": frames}
+
+
+MOE = ("/venv/lib/python3.12/site-packages/vllm/model_executor/layers/fused_moe/fused_moe.py", 812, "fused_experts")
+TORCH = ("/venv/lib/python3.12/site-packages/torch/nn/functional.py", 2100, "linear")
+INDUCTOR = ("/tmp/torchinductor_root/ab/cabc123.py", 311, "call")
+
+
+def test_the_releasable_cache_is_the_default_pools_empty_segments_by_size_and_by_what_made_them() -> None:
+    segments = [_segment(0x1000, 94), _segment(0x2000, 20), _segment(0x3000, 20), _segment(0x4000, 20, 2),
+                _segment(0x5000, 40, pool=(3, 0)), _segment(0x6000, 2)]
+    traces = [_made(0x2000, 20, TORCH, INDUCTOR), {"action": "alloc", "addr": 0x1000, "size": MiB, "frames": []},
+              _made(0x1000, 60, MOE), _made(0x1000, 94, TORCH, MOE), _made(0x3000, 20, INDUCTOR),
+              _made(0x4000, 20, MOE)]
+    summary = graph_samples.releasable_cache(segments, traces)
+    # In use (0x4000) and another pool's (0x5000, a graph's) are not given back; 0x6000 predates the history.
+    assert summary["releasable"] == (94 + 20 + 20 + 2) * MiB
+    assert summary["segments"] == [[94 * MiB, 1], [20 * MiB, 2], [2 * MiB, 1]]
+    assert summary["sites"] == [["vllm/model_executor/layers/fused_moe/fused_moe.py:812 fused_experts", 94 * MiB, 1],
+                                ["cabc123.py:311 call", 40 * MiB, 2]]  # the latest trace of an address; torch's skipped
+    assert summary["untraced"] == 2 * MiB
+
+
+def test_the_released_cache_line_is_read_and_said_in_the_rehearsal_table() -> None:
+    from kimi_k3_serve.rehearsal.compare import Comparison, RankComparison, Row, render_table
+    from kimi_k3_serve.rehearsal.vllm_log import ReleasedCache
+
+    site = "vllm/model_executor/layers/fused_moe/fused_moe.py:812 fused_experts"
+    log = ("(Worker pid=2064) INFO 12-03 14:25:08 [gpu_model_runner.py:1] Model loading took 121.69 GiB memory\n"
+           f'(Worker pid=2064) {graph_samples.CACHE_MARKER} {{"pid": 2064, "capture": 1, "releasable": {60 * MiB}, '
+           f'"segments": [[{60 * MiB}, 1]], "sites": [], "untraced": {60 * MiB}}}\n'
+           f'(Worker pid=2064) {graph_samples.CACHE_MARKER} {{"pid": 2064, "capture": 2, "releasable": {134 * MiB}, '
+           f'"segments": [[{94 * MiB}, 1], [{20 * MiB}, 2]], "sites": [["{site}", {94 * MiB}, 1]], '
+           f'"untraced": {40 * MiB}}}\n')
+    (w,) = parse_vllm_log(log).workers
+    assert [c.capture for c in w.released_caches] == [1, 2]
+    second = w.released_caches[1]
+    assert second == ReleasedCache(2, 134 * MiB, ((94 * MiB, 1), (20 * MiB, 2)), ((site, 94 * MiB, 1),), 40 * MiB)
+    rank = RankComparison(0, 0, 0, (Row("kv_cache", 1, 1),), (-90 * MiB, -134 * MiB), 48, second)
+    table = render_table(Comparison((rank,), "fits", "fits", 1.0, 1.0, None), ["GPU 0"])
+    assert (f"the cache was 134 MiB in segments of MiB: 1 x 94, 2 x 20; made by {site} (94 MiB)") in table
+    assert rank.to_json()["second_release"]["sites"] == [[site, 94 * MiB, 1]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kimi_k3_serve.rehearsal.vllm_log import EngineReading
+from kimi_k3_serve.rehearsal.vllm_log import EngineReading, ReleasedCache
 from kimi_k3_serve.units import GiB, MiB
 
 MEASURED_VERDICT_OF_STEP = {
@@ -56,6 +56,8 @@ class RankComparison:
     full_graph_samples: tuple[int, ...] | None = None
     """vLLM's 2 sampled FULL graphs' drops in free memory, where rehearse's plugin logged them."""
     full_graphs: int | None = None
+    second_release: ReleasedCache | None = None
+    """The cache the second sampled capture released, and what allocated it, where the plugin logged it."""
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -71,12 +73,22 @@ class RankComparison:
         if second < 0:
             line += (f"; {-second / GiB:.2f} GiB of its estimate is the allocator cache released as the second capture "
                      "began, which no graph holds")
+        if (release := self.second_release) is not None:
+            segments = ", ".join(f"{count} x {size / MiB:,.0f}" for size, count in release.segments[:6])
+            line += f"; the cache was {release.releasable_bytes / MiB:,.0f} MiB in segments of MiB: {segments}"
+            if release.sites:
+                line += "; made by " + ", ".join(f"{site} ({size / MiB:,.0f} MiB)" for site, size, _ in release.sites[:4])
         return line
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "rows": [r.to_json() for r in self.rows],
                 "full_graph_samples": list(self.full_graph_samples) if self.full_graph_samples else None,
-                "full_graphs": self.full_graphs}
+                "full_graphs": self.full_graphs,
+                "second_release": None if self.second_release is None else {
+                    "releasable_bytes": self.second_release.releasable_bytes,
+                    "segments": [list(x) for x in self.second_release.segments],
+                    "sites": [list(x) for x in self.second_release.sites],
+                    "untraced_bytes": self.second_release.untraced_bytes}}
 
 
 @dataclass(frozen=True)
@@ -135,7 +147,9 @@ def compare(report: Any, reading: EngineReading) -> Comparison:
             Row("cuda_graph_pool", r.cuda_graph_bytes, get("cuda_graph_actual_bytes")),
             Row("kv_cache", r.kv_cache_bytes, get("available_kv_bytes")),
         )
-        ranks.append(RankComparison(r.rank, r.pp_stage, r.tp_rank, rows, get("full_graph_samples"), get("full_graphs")))
+        second = next((c for c in (get("released_caches") or ()) if c.capture == 2), None)
+        ranks.append(RankComparison(r.rank, r.pp_stage, r.tp_rank, rows, get("full_graph_samples"), get("full_graphs"),
+                                    second))
     return Comparison(
         ranks=tuple(ranks), predicted_verdict=report.verdict, measured_verdict=measured_verdict(reading),
         predicted_concurrency=report.max_concurrency, measured_concurrency=reading.max_concurrency,

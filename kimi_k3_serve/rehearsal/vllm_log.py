@@ -13,7 +13,8 @@ Every number here is one vLLM printed. The lines come from (vLLM 0.32 CUDA wheel
 - ``v1/core/kv_cache_utils.py``: "GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx";
 - ``v1/engine/core.py``: "init engine (profile, create kv cache, warmup model) took S s";
 - the rehearsal's own plugin (``graph_samples``): "KIMI_K3_REHEARSAL_FULL_GRAPHS {...}", the FULL graphs vLLM
-  sampled for its CUDA-graph estimate and what it extrapolated from them;
+  sampled for its CUDA-graph estimate and what it extrapolated from them, and "KIMI_K3_REHEARSAL_RELEASED_CACHE
+  {...}", the allocator cache each sampled capture released and what allocated it;
 - torch: "CUDA out of memory. Tried to allocate X GiB. GPU g has a total capacity of T GiB of which F MiB is free".
 vLLM rounds GiB to 2 decimals (``format_gib``), so each value read here is exact to +-0.005 GiB.
 
@@ -63,6 +64,7 @@ _OOM_PLAIN = re.compile(r"(torch\.OutOfMemoryError|CUDA out of memory|No availab
                         r"Free memory on device .* is less than desired GPU memory utilization)")
 _FULL_GRAPHS = re.compile(rf"{graph_samples.MARKER} (\{{.*\}})")
 """The rehearsal's plugin line (``graph_samples``, a module of standard-library imports only)."""
+_RELEASED_CACHE = re.compile(rf"{graph_samples.CACHE_MARKER} (\{{.*\}})")
 _MARKERS = (
     ("load", re.compile(r"Starting to load model|Loading model from scratch|is assigned as")),
     ("profile", _LOADED),
@@ -77,6 +79,18 @@ _UNITS = {"GiB": GiB, "MiB": MiB, "KiB": 1024}
 
 def _gib(text: str) -> int:
     return round(float(text) * GiB)
+
+
+@dataclass(frozen=True)
+class ReleasedCache:
+    """The allocator cache that a sampled FULL capture released as it began (``graph_samples.releasable_cache``)."""
+    capture: int
+    releasable_bytes: int
+    segments: tuple[tuple[int, int], ...]
+    """``(segment size, count)``, the largest size first."""
+    sites: tuple[tuple[str, int, int], ...]
+    """``(allocation site, bytes, segments)``, the largest first: what made the segments, where the history ran."""
+    untraced_bytes: int
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ class WorkerReading:
     full_graphs: int | None = None
     full_graph_extrapolated_bytes: int | None = None
     """What vLLM's estimate charged for its ``full_graphs`` FULL graphs: the first sample + the rest at the second's."""
+    released_caches: tuple[ReleasedCache, ...] = ()
 
     @property
     def non_torch_bytes(self) -> int | None:
@@ -230,6 +245,14 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
             engine.setdefault("max_concurrency", float(m[3]))
         elif m := _INIT_DONE.search(line):
             engine["init_seconds"] = float(m[1])
+        elif m := _RELEASED_CACHE.search(line):
+            logged = json.loads(m[1])
+            w = worker(int(logged["pid"]))
+            w["released_caches"] = w.get("released_caches", ()) + (ReleasedCache(
+                capture=int(logged["capture"]), releasable_bytes=int(logged["releasable"]),
+                segments=tuple((int(size), int(count)) for size, count in logged.get("segments", ())),
+                sites=tuple((str(site), int(size), int(count)) for site, size, count in logged.get("sites", ())),
+                untraced_bytes=int(logged.get("untraced", 0))),)
         elif m := _FULL_GRAPHS.search(line):
             sampled = json.loads(m[1])
             worker(int(sampled["pid"])).update(full_graph_samples=tuple(sampled["samples"]),
