@@ -4,9 +4,11 @@ Each group of constants predicts one measured term of vLLM's engine start, and t
 constants, so a group is fitted by non-negative least squares (relative errors) on the fit runs it names:
 
 - ``cuda_graph``: vLLM's CUDA-graph estimate (``profile_cudagraph_memory``) is the first capture's activations plus,
-  per captured graph, ``per_graph + per_head x the target's heads on the rank``, ``per_layer x local layers`` once,
-  and, on the last stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank + draft_per_layer_head
-  x the stage's layers x the target's heads on the rank`` per DSpark FULL graph (DSpark's own sizes), beside DSpark's
+  per PIECEWISE graph, ``per_graph + per_head x the target's heads on the rank``, ``per_layer x local layers`` once,
+  for the FULL graphs, which vLLM samples, ``full_sampled + release_per_token_head x the second largest one's tokens
+  x the target's heads on the rank`` + 1 MiB for each but the first (vLLM's floor, not fitted), and, on the last
+  stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank + draft_per_layer_head x the stage's
+  layers x the target's heads on the rank`` per DSpark FULL graph (DSpark's own sizes, all captured), beside DSpark's
   capture workspace (the drafter's lane, from vLLM's shapes: not fitted). Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
 - ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations (from
   the shapes), ``NON_TORCH_TP1`` on one GPU, the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32
@@ -60,8 +62,9 @@ class Group:
 GROUPS = (
     Group("cuda_graph", (("CUDA_GRAPH_PER_GRAPH", "kimi_k3"), ("CUDA_GRAPH_PER_LAYER", "kimi_k3"),
                          ("CUDA_GRAPH_PER_HEAD", "kimi_k3"), ("CUDA_GRAPH_DRAFT_PER_GRAPH", "dspark"),
-                         ("CUDA_GRAPH_DRAFT_PER_HEAD", "dspark"), ("CUDA_GRAPH_DRAFT_PER_LAYER_HEAD", "dspark")),
-          "cuda_graph", memory.CUDA_GRAPH_FIT_RUNS, kib_scale=(5,)),
+                         ("CUDA_GRAPH_DRAFT_PER_HEAD", "dspark"), ("CUDA_GRAPH_DRAFT_PER_LAYER_HEAD", "dspark"),
+                         ("CUDA_GRAPH_FULL_SAMPLED", "kimi_k3"), ("CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD", "kimi_k3")),
+          "cuda_graph", memory.CUDA_GRAPH_FIT_RUNS, kib_scale=(5, 7)),
     Group("profile", (("NON_TORCH_TP1", None), ("SAMPLER_FP32_VOCAB_COPIES", None),
                       ("DSPARK_PROFILE_LOGITS_COPIES", None), ("DRAFT_HIDDEN_COPIES", "dspark")), "profile",
           memory.PROFILE_FIT_RUNS, integer_scale=(1, 2, 3)),

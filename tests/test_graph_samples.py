@@ -184,3 +184,42 @@ def test_the_released_cache_line_is_read_and_said_in_the_rehearsal_table() -> No
     table = render_table(Comparison((rank,), "fits", "fits", 1.0, 1.0, None), ["GPU 0"])
     assert (f"the cache was 134 MiB in segments of MiB: 1 x 94, 2 x 20; made by {site} (94 MiB)") in table
     assert rank.to_json()["second_release"]["sites"] == [[site, 94 * MiB, 1]]
+
+
+def test_the_plan_charges_the_full_graphs_as_vllms_estimate_does() -> None:
+    """vLLM's estimate charges every FULL graph after the first its 1 MiB floor (the second sample is negative on every
+    logged run), so the number of FULL graphs adds 1 MiB each, not a captured graph's cost: on each run the plugin
+    logged, the plan's count of FULL graphs is vLLM's and its floor is what vLLM extrapolated beyond the first sample.
+    What the two captures keep (the first graph and the cache released at the second) is a fitted base and a trend."""
+    import re
+
+    from kimi_k3_serve.planning import memory
+
+    for d in sorted(ROUND16.iterdir()):
+        if not (d / "vllm.log").is_file():
+            continue
+        text = (d / "vllm.log").read_text(errors="replace")
+        (w,) = parse_vllm_log(text).workers
+        seqs = int(re.findall(r"'max_num_seqs': (\d+)", text)[-1])
+        tokens = int(re.findall(r"'max_num_batched_tokens': (\d+)", text)[-1])
+        num_spec = int((re.findall(r"'num_speculative_tokens': (\d+)", text) or [0])[-1])
+        sizes = memory.cuda_graph_capture_sizes(seqs, 1 + num_spec, tokens, (9, 0))
+        full_tokens = memory.uniform_decode_graph_tokens(sizes, seqs, 1 + num_spec)
+        assert len(full_tokens) == w.full_graphs, d.name
+        charged, _ = memory.sampled_full_graphs_bytes("kimi_k3", full_tokens, 12)
+        sampled = (memory.CUDA_GRAPH_FULL_SAMPLED["kimi_k3"]
+                   + memory.CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD["kimi_k3"] * full_tokens[-2] * 12)
+        assert charged - sampled == w.full_graph_extrapolated_bytes - w.full_graph_samples[0], d.name
+
+
+def test_the_plans_estimate_moves_with_vllms_floor_once_per_full_graph_after_the_first(monkeypatch) -> None:
+    """The same in the planner itself, on stage 1's TP8 rank at 256 sequences (48 FULL graphs, vLLM logged them):
+    one byte more of floor per graph moves the plan's CUDA-graph estimate by 47 bytes."""
+    from conftest import load_script
+    from kimi_k3_serve.planning import memory
+
+    accuracy = load_script("memory_accuracy")
+    run = ROUND16 / "r44-s1-dspark-b8192-s256-samples"
+    before = accuracy.predict_run(run)[0].ranks[0].cuda_graph_bytes
+    monkeypatch.setattr(memory, "VLLM_FULL_GRAPH_FLOOR", memory.VLLM_FULL_GRAPH_FLOOR + 1)
+    assert accuracy.predict_run(run)[0].ranks[0].cuda_graph_bytes - before == 47

@@ -72,7 +72,13 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "(428 on both 8-layer runs, the extra 0.11 GiB of k8's estimate). The new 8-layer validation runs "
                    "of round 16 missed by -0.05 and -0.10 GiB. Since the plan's capture sizes are vLLM's (twenty-first "
                    "session: a max_num_seqs off the grid is a size of its own; 77 of 77 logged runs agree) and the "
-                   "constants were refitted: k8 3.78 / 3.82 (-0.04), the worst r44-s1-dspark 1.17 / 1.27 (-0.10); "
+                   "constants were refitted: k8 3.78 / 3.82 (-0.04), the worst r44-s1-dspark 1.17 / 1.27 (-0.10). "
+                   "Since the FULL graphs are charged as vLLM samples them (twenty-second session: 1 MiB each but the "
+                   "2 captured, which keep a fitted base and the release's trend; before, each cost a captured graph's "
+                   "7.78 MiB and stage 1's rank at 64 to 512 sequences was 0.10 GiB over) and the constants were "
+                   "refitted: k8 3.85 / 3.82 (+0.03), k8-tp1-b4096-s64-dspark 3.62 / 3.63 (was 3.56), stage 1's rank "
+                   "at 256 sequences 2.89 / 2.86 (was 2.96); the worst Kimi-K3 errors b200-r43-s1-dspark 1.70 / 1.81 "
+                   "and r44-s1-dspark-l131072-s20 1.99 / 2.10 (-0.11), r49-s0-b12288-s128-u090 0.66 / 0.75 (-0.09); "
                    "the band stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 

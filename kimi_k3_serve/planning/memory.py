@@ -87,19 +87,20 @@ stage's profile: held from the target's forward into the draft's step (under bot
 ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 4.61 while the draft logits were added on top of the
 forward's peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart,
 ``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(7.78 * MiB), "default": 14 * MiB}
-"""Per captured graph in vLLM's CUDA-graph estimate (``profile_cudagraph_memory``: the graphs captured into a
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(10.02 * MiB), "default": 14 * MiB}
+"""Per graph that vLLM's CUDA-graph estimate captures (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
-once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). The Kimi-K3
-values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the default is
-Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32)."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(4.14 * MiB), "default": 0}
+once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). For
+Kimi-K3 that is each PIECEWISE graph; its FULL graphs are sampled, not captured (``CUDA_GRAPH_FULL_SAMPLED``). The
+Kimi-K3 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the
+default is Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32), every graph charged."""
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(3.04 * MiB), "default": 0}
 """What one local decoder layer adds to the estimate, once for the stage, not per graph (fitted with
 ``CUDA_GRAPH_PER_GRAPH``; charged per graph and refitted, it over-predicted r49-s0-b2048-s512 by 164 %)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.31 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.42 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. DSpark's graphs are its own FULL graphs (sizes in
@@ -109,8 +110,8 @@ TP8 rank and 32,768 tokens; twice that at 65,536). Before that lane was counted 
 15.28 MiB per graph, 0.39 per head and 0.50 per layer, 8 % over on stage 1's TP8 rank at 64 to 512 sequences. EAGLE3:
 none per target graph; its drafter's own graphs are counted instead (``eagle3_draft_graphs``), each at the target's
 per-graph cost (not fitted on an EAGLE3 run)."""
-CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": int(0.03 * MiB)}
-CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(9.73 * KiB)}
+CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": 0}
+CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(14.89 * KiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it, per target attention head on
 the rank (fitted with ``CUDA_GRAPH_PER_GRAPH``, in KiB). vLLM's estimate charges all but one FULL graph at 1 MiB
 (the second sample's drop in free memory is negative: ``bands.CUDA_GRAPHS`` says why, and what that adds); with
@@ -123,6 +124,25 @@ layer costs 8 times a rank's. That structure was chosen after k8 had been read; 
 sample (twelfth session): 7 full-width layers at the serve defaults 3.71 / 3.72 GiB, 5 at 4,096 tokens 3.62 / 3.70;
 ranks-round12 (thirteenth): 5 at 2,048 tokens and 64 sequences 3.41 / 3.52, and k8 started again logged the same
 3.82 GiB as its first start (plan 3.76): that miss is the model's, inside the CUDA-graph band."""
+CUDA_GRAPH_FULL_SAMPLED = {"kimi_k3": int(48.39 * MiB)}
+"""What vLLM's estimate keeps of the 2 FULL graphs it samples, besides the release below. vLLM 0.32 captures only the
+2 largest FULL graphs (v1/worker/gpu/cudagraph_utils.py ``profile_cudagraph_memory``) and charges every other one
+the second sample's drop in free memory, at least ``VLLM_FULL_GRAPH_FLOOR``; the drop is negative on every run the
+rehearsal's plugin logged (``bands.CUDA_GRAPHS`` says why), so the FULL graphs cost the estimate the first one's
+capture + the allocator cache released as the second begins + 1 MiB for each but the first. Until the twenty-second
+session the plan charged every FULL graph ``CUDA_GRAPH_PER_GRAPH`` (7.78 MiB then), so its estimate grew with
+``max_num_seqs`` faster than vLLM's: stage 1's TP8 rank 0.10 GiB over at 64 to 512 sequences. Fitted with
+``CUDA_GRAPH_PER_GRAPH`` on the fit runs; the structure, read from vLLM's code, was chosen with the validation runs
+already read (ranks-round17's score it out of sample)."""
+CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD = {"kimi_k3": int(3.98 * KiB)}
+"""The part of the cache released at the second sampled FULL graph that grows with its tokens and the target's heads
+on the rank (its eager warm-up's head-sharded activations), in KiB. Fitted on the estimates, not on the releases: the
+plugin logged 316 to 428 MiB at full width and 496 tokens (this term: 185 MiB), 130 MiB on stage 1's TP8 rank
+(23 MiB), 20 MiB at 8 tokens; the rest sits in the other constants. The release is not smooth in the shapes (the
+allocator's segments), so this is its trend, and the CUDA-graph band holds the rest."""
+VLLM_FULL_GRAPH_FLOOR = MiB
+"""vLLM 0.32's ``_MIN_PER_GRAPH_BYTES`` (v1/worker/gpu/cudagraph_utils.py): what its estimate charges each FULL
+graph after the first once the second sample's drop is below it."""
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark", "k8-tp1-b8192-s512-nodraft",
                        "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256",
@@ -1162,17 +1182,25 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
     # FULL_AND_PIECEWISE (hybrid or MLA models): a PIECEWISE graph per capture size, and a FULL graph per uniform
     # decode batch (v1/worker/gpu/cudagraph_utils.py CudaGraphManager._init_candidates: each size rounded up to a
     # multiple of the decode query length, up to max_num_seqs of them); the drafter's graphs follow the decode batches.
-    num_full = len(uniform_decode_graph_tokens(sizes, seqs, query_len)) if model.is_hybrid or model.uses_mla else 0
+    full_tokens = uniform_decode_graph_tokens(sizes, seqs, query_len) if model.is_hybrid or model.uses_mla else []
+    num_full = len(full_tokens)
     graphs = num_sizes + num_full
     shared = _forward_activation(model, layout, largest, start, end)
     family = model.family if model.family in CUDA_GRAPH_PER_GRAPH else "default"
-    per_graph = CUDA_GRAPH_PER_GRAPH[family] + CUDA_GRAPH_PER_HEAD[family] * max(1, model.num_attention_heads // layout.tp)
-    est = shared + CUDA_GRAPH_PER_LAYER[family] * (end - start) + graphs * per_graph
+    target_heads = max(1, model.num_attention_heads // layout.tp)
+    per_graph = CUDA_GRAPH_PER_GRAPH[family] + CUDA_GRAPH_PER_HEAD[family] * target_heads
+    est = shared + CUDA_GRAPH_PER_LAYER[family] * (end - start)
+    if family in CUDA_GRAPH_FULL_SAMPLED and num_full:
+        full, full_basis = sampled_full_graphs_bytes(family, full_tokens, target_heads)
+        est += num_sizes * per_graph + full
+        graphs_basis = f"{num_sizes} PIECEWISE graphs x {per_graph / MiB:.1f} MiB + {full_basis}"
+    else:
+        est += graphs * per_graph
+        graphs_basis = f"{num_sizes} PIECEWISE and {num_full} FULL graphs x {per_graph / MiB:.1f} MiB"
     spec = engine.speculative
     draft = ""
     if spec is not None and stage == layout.pp - 1:
         heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp)) if spec.draft is not None else 0
-        target_heads = max(1, model.num_attention_heads // layout.tp)
         per_draft_graph = (CUDA_GRAPH_DRAFT_PER_GRAPH.get(spec.method, 0) + CUDA_GRAPH_DRAFT_PER_HEAD.get(spec.method, 0) * heads
                            + CUDA_GRAPH_DRAFT_PER_LAYER_HEAD.get(spec.method, 0) * (end - start) * target_heads)
         num_draft = num_full
@@ -1192,9 +1220,23 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
             draft += f" + the EAGLE3 drafter's {drafter} graphs, captured in full, at the target's per-graph cost"
     return est, max(est // 2, GiB // 2), (
         f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {end - start} layers x "
-        f"{CUDA_GRAPH_PER_LAYER[family] / MiB:.1f} MiB + {num_sizes} PIECEWISE and {num_full} FULL graphs x "
-        f"{per_graph / MiB:.1f} MiB{draft} (fitted on H200 fit runs, scripts/fit_memory_constants.py)"
+        f"{CUDA_GRAPH_PER_LAYER[family] / MiB:.1f} MiB + {graphs_basis}{draft} (fitted on H200 fit runs, "
+        f"scripts/fit_memory_constants.py)"
     )
+
+
+def sampled_full_graphs_bytes(family: str, full_tokens: Sequence[int], target_heads: int) -> tuple[int, str]:
+    """What vLLM 0.32's CUDA-graph estimate charges the FULL graphs of ``full_tokens`` (ascending), as (bytes, basis):
+    it captures the 2 largest and charges each other one the second's drop in free memory, negative on the H200, so
+    ``VLLM_FULL_GRAPH_FLOOR`` (``_extrapolate_full_graph_memory``); what the 2 captures leave is
+    ``CUDA_GRAPH_FULL_SAMPLED`` + the cache released as the second begins (``CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD`` x its
+    tokens x the target's heads on the rank). With one FULL graph there is no second sample, and no release."""
+    second = full_tokens[-2] if len(full_tokens) >= 2 else 0
+    sampled = CUDA_GRAPH_FULL_SAMPLED[family] + CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD[family] * second * target_heads
+    floor = (len(full_tokens) - 1) * VLLM_FULL_GRAPH_FLOOR
+    return sampled + floor, (f"{len(full_tokens)} FULL graphs as vLLM samples them: the {min(len(full_tokens), 2)} "
+                             f"largest captured ({sampled / MiB:,.0f} MiB with the cache released at {second} tokens) "
+                             f"and {len(full_tokens) - 1} x 1 MiB")
 
 
 def cuda_graph_capture_sizes(max_num_seqs: int, decode_query_len: int, max_num_batched_tokens: int,
