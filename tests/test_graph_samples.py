@@ -154,14 +154,16 @@ def test_the_releasable_cache_is_the_default_pools_empty_segments_by_size_and_by
     segments = [_segment(0x1000, 94), _segment(0x2000, 20), _segment(0x3000, 20), _segment(0x4000, 20, 2),
                 _segment(0x5000, 40, pool=(3, 0)), _segment(0x6000, 2)]
     traces = [_made(0x2000, 20, TORCH, INDUCTOR), {"action": "alloc", "addr": 0x1000, "size": MiB, "frames": []},
-              _made(0x1000, 60, MOE), _made(0x1000, 94, TORCH, MOE), _made(0x3000, 20, INDUCTOR),
+              _made(0x1000, 60, MOE), _made(0x1000, 94, TORCH, MOE), _made(0x3000, 20),
+              {"action": "alloc", "addr": 0x3000, "size": MiB, "frames": _made(0, 0, INDUCTOR)["frames"]},
               _made(0x4000, 20, MOE)]
     summary = graph_samples.releasable_cache(segments, traces)
     # In use (0x4000) and another pool's (0x5000, a graph's) are not given back; 0x6000 predates the history.
     assert summary["releasable"] == (94 + 20 + 20 + 2) * MiB
     assert summary["segments"] == [[94 * MiB, 1], [20 * MiB, 2], [2 * MiB, 1]]
     assert summary["sites"] == [["vllm/model_executor/layers/fused_moe/fused_moe.py:812 fused_experts", 94 * MiB, 1],
-                                ["cabc123.py:311 call", 40 * MiB, 2]]  # the latest trace of an address; torch's skipped
+                                ["cabc123.py:311 call", 40 * MiB, 2]]  # the latest trace of an address; torch's skipped,
+    # and a segment_alloc without frames (0x3000) is named by the allocation that opened it
     assert summary["untraced"] == 2 * MiB
 
 

@@ -200,19 +200,26 @@ def releasable_cache(segments: Iterable[Mapping[str, Any]], traces: Sequence[Map
     """What ``torch.cuda.empty_cache()`` would give back now, from a ``torch.cuda.memory._snapshot()``: the default
     pool's segments of ``device`` with nothing allocated in them (``releasable``, bytes), as ``[size, count]`` from the
     largest size down, and the allocation that made each segment (its ``segment_alloc`` trace entry, the latest for
-    its address: the innermost frame outside torch's own package) summed by site, largest first; a segment made
-    before the history began is ``untraced``."""
+    its address, or where that has no frames the latest allocation at the segment's start: the innermost frame
+    outside torch's own package) summed by site, largest first; a segment made before the history began is
+    ``untraced``."""
     free = [seg for seg in segments if seg.get("device", device) == device and not seg.get("allocated_size")
             and tuple(seg.get("segment_pool_id") or (0, 0)) == (0, 0)]
-    made_by = {entry["addr"]: entry for entry in traces if entry.get("action") == "segment_alloc"}
+    made_by: dict[int, Sequence[Mapping[str, Any]]] = {}
+    for entry in traces:
+        action, frames = entry.get("action"), entry.get("frames") or ()
+        if action == "segment_alloc":
+            made_by[entry["addr"]] = frames
+        elif action == "alloc" and frames and entry.get("addr") in made_by and not made_by[entry["addr"]]:
+            made_by[entry["addr"]] = frames
     sites: dict[str, list[int]] = {}
     untraced = 0
     for seg in free:
-        entry = made_by.get(seg["address"])
-        if entry is None:
+        frames = made_by.get(seg["address"])
+        if frames is None:
             untraced += seg["total_size"]
             continue
-        total = sites.setdefault(allocation_site(entry.get("frames") or ()), [0, 0])
+        total = sites.setdefault(allocation_site(frames), [0, 0])
         total[0] += seg["total_size"]
         total[1] += 1
     by_size = Counter(seg["total_size"] for seg in free)
