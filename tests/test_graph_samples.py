@@ -3,6 +3,7 @@ on the real vLLM: its plugin loader finds the entry point, and vLLM's own functi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -178,8 +179,12 @@ def test_the_released_cache_line_is_read_and_said_in_the_rehearsal_table() -> No
            f'(Worker pid=2064) {graph_samples.CACHE_MARKER} {{"pid": 2064, "capture": 2, "releasable": {134 * MiB}, '
            f'"segments": [[{94 * MiB}, 1], [{20 * MiB}, 2]], "sites": [["{site}", {94 * MiB}, 1]], '
            f'"untraced": {40 * MiB}}}\n')
-    (w,) = parse_vllm_log(log).workers
+    reading = parse_vllm_log(log)
+    (w,) = reading.workers
     assert [c.capture for c in w.released_caches] == [1, 2]
+    # result.json holds the reading: the first H200 runs to log the line lost theirs to a TypeError (2026-12-05)
+    written = json.loads(json.dumps(reading.to_json()))["workers"][0]["released_caches"]
+    assert written[1]["sites"] == [[site, 94 * MiB, 1]] and written[0]["untraced_bytes"] == 60 * MiB
     second = w.released_caches[1]
     assert second == ReleasedCache(2, 134 * MiB, ((94 * MiB, 1), (20 * MiB, 2)), ((site, 94 * MiB, 1),), 40 * MiB)
     rank = RankComparison(0, 0, 0, (Row("kv_cache", 1, 1),), (-90 * MiB, -134 * MiB), 48, second)

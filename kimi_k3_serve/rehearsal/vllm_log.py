@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kimi_k3_serve.rehearsal import graph_samples
@@ -136,6 +136,7 @@ class WorkerReading:
 
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["released_caches"] = [asdict(c) for c in self.released_caches]
         out["non_torch_bytes"] = self.non_torch_bytes
         out["profiled_non_kv_bytes"] = self.profiled_non_kv_bytes
         return out
