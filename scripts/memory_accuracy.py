@@ -64,6 +64,10 @@ FIT_RUNS = {
                                 "FULL target graphs and 48 of DSpark's own)",
     "k4-tp1-b4096-s128-dspark": "the profile and CUDA-graph groups (a full-width slice with DSpark at 4,096 tokens "
                                 "and 128 sequences: the profile at a small token budget)",
+    "k6-tp1-b4096-s128-dspark": "the CUDA-graph group (6 layers with DSpark at 4,096 tokens and 128 sequences: the "
+                                "cache released at the second sampled FULL graph at 496 tokens)",
+    "k8-tp1-b4096-s32-dspark": "the CUDA-graph group (8 layers with DSpark at 4,096 tokens and 32 sequences: the "
+                               "released cache at 248 tokens)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 SAME_AS = {"k4-tp1-serve-defaults-dspark-first-start": "k4-tp1-serve-defaults-dspark",
