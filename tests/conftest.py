@@ -61,6 +61,12 @@ def load_script(name: str):
 make_tiny_models = load_script("make_tiny_models")
 
 
+def last_logged_int(pattern: str, text: str) -> int | None:
+    """The last integer a vLLM log gives for ``pattern`` (one group), e.g. a setting of the config it printed."""
+    found = re.findall(pattern, text)
+    return int(found[-1]) if found else None
+
+
 def free_port() -> int:
     return free_loopback_port()
 

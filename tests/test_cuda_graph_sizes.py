@@ -10,14 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import last_logged_int
 from kimi_k3_serve.planning.memory import cuda_graph_capture_sizes, uniform_decode_graph_tokens
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
-
-
-def _last_int(pattern: str, text: str) -> int | None:
-    found = re.findall(pattern, text)
-    return int(found[-1]) if found else None
 
 
 def _captured(bar: str, text: str) -> int:
@@ -42,15 +38,15 @@ def test_the_recorded_runs_cover_the_off_grid_sizes() -> None:
     # vLLM adds as a size of its own (the plan counted one PIECEWISE and one FULL graph too few there until
     # 2026-12-04).
     assert len(LOGGED) >= 70
-    off_grid = {name for name, text in LOGGED if _last_int(r"'max_num_seqs': (\d+)", text) in (15, 22)}
+    off_grid = {name for name, text in LOGGED if last_logged_int(r"'max_num_seqs': (\d+)", text) in (15, 22)}
     assert len(off_grid) >= 3, off_grid
 
 
 @pytest.mark.parametrize("name, text", LOGGED, ids=[name for name, _ in LOGGED])
 def test_capture_sizes_and_graph_counts_are_vllms(name: str, text: str) -> None:
-    seqs = _last_int(r"'max_num_seqs': (\d+)", text)
-    tokens = _last_int(r"'max_num_batched_tokens': (\d+)", text)
-    num_spec = _last_int(r"'num_speculative_tokens': (\d+)", text) or 0
+    seqs = last_logged_int(r"'max_num_seqs': (\d+)", text)
+    tokens = last_logged_int(r"'max_num_batched_tokens': (\d+)", text)
+    num_spec = last_logged_int(r"'num_speculative_tokens': (\d+)", text) or 0
     logged = [sizes for sizes in map(ast.literal_eval, re.findall(r"'cudagraph_capture_sizes': (\[[^\]]*\])", text))
               if sizes][-1]
     sizes = cuda_graph_capture_sizes(seqs, 1 + num_spec, tokens, (9, 0))

@@ -73,6 +73,26 @@ def test_vllms_full_graph_samples_are_negative_so_its_estimate_adds_the_released
     assert round(-runs["r44-s1-dspark-b8192-s256-samples"].full_graph_samples[1] / MiB) == 130  # a TP8 rank
 
 
+ROUND19 = Path(__file__).parent / "fixtures" / "gpu" / "2026-12-05-round19"
+
+
+def test_the_cache_the_plugin_logged_is_what_vllms_second_sample_lost_and_each_byte_has_a_site() -> None:
+    """ranks-round17's fit runs (H200, 2026-12-05), the first to log the released cache: at the second sampled FULL
+    graph the empty segments the plugin found are vLLM's negative sample, less what the graph itself took (at most
+    14 MiB), and the allocator's history names the code that made every one of them. The largest maker on both is
+    FlashMLA's decode call (its output and split-KV buffers, which grow with the graph's tokens and heads)."""
+    runs = {d.name: parse_vllm_log((d / "vllm.log").read_text(errors="replace")).workers[0]
+            for d in sorted(ROUND19.iterdir()) if (d / "vllm.log").is_file()}
+    assert set(runs) == {"k6-tp1-b4096-s128-dspark", "k8-tp1-b4096-s32-dspark"}
+    for name, w in runs.items():
+        second = next(c for c in w.released_caches if c.capture == 2)
+        assert 0 <= second.releasable_bytes + w.full_graph_samples[1] <= 14 * MiB, name
+        assert second.untraced_bytes == 0 and sum(b for _, b, _ in second.sites) == second.releasable_bytes, name
+        assert second.sites[0][0] == "flash_mla_interface.py:185 flash_mla_with_kvcache", name
+    assert {name: round(next(c for c in w.released_caches if c.capture == 2).releasable_bytes / MiB)
+            for name, w in runs.items()} == {"k6-tp1-b4096-s128-dspark": 330, "k8-tp1-b4096-s32-dspark": 186}
+
+
 def test_the_rehearsal_table_says_how_much_of_vllms_estimate_is_released_cache() -> None:
     from kimi_k3_serve.rehearsal.compare import Comparison, RankComparison, Row, render_table
 
@@ -198,8 +218,7 @@ def test_the_plan_charges_the_full_graphs_as_vllms_estimate_does() -> None:
     logged run), so the number of FULL graphs adds 1 MiB each, not a captured graph's cost: on each run the plugin
     logged, the plan's count of FULL graphs is vLLM's and its floor is what vLLM extrapolated beyond the first sample.
     What the two captures keep (the first graph and the cache released at the second) is a fitted base and a trend."""
-    import re
-
+    from conftest import last_logged_int
     from kimi_k3_serve.planning import memory
 
     for d in sorted(ROUND16.iterdir()):
@@ -207,15 +226,16 @@ def test_the_plan_charges_the_full_graphs_as_vllms_estimate_does() -> None:
             continue
         text = (d / "vllm.log").read_text(errors="replace")
         (w,) = parse_vllm_log(text).workers
-        seqs = int(re.findall(r"'max_num_seqs': (\d+)", text)[-1])
-        tokens = int(re.findall(r"'max_num_batched_tokens': (\d+)", text)[-1])
-        num_spec = int((re.findall(r"'num_speculative_tokens': (\d+)", text) or [0])[-1])
+        seqs = last_logged_int(r"'max_num_seqs': (\d+)", text)
+        tokens = last_logged_int(r"'max_num_batched_tokens': (\d+)", text)
+        num_spec = last_logged_int(r"'num_speculative_tokens': (\d+)", text) or 0
         sizes = memory.cuda_graph_capture_sizes(seqs, 1 + num_spec, tokens, (9, 0))
         full_tokens = memory.uniform_decode_graph_tokens(sizes, seqs, 1 + num_spec)
         assert len(full_tokens) == w.full_graphs, d.name
-        charged, _ = memory.sampled_full_graphs_bytes("kimi_k3", full_tokens, 12)
+        heads = 12  # any count: the sampled pair's charge is subtracted, what is left is the floor alone
+        charged, _ = memory.sampled_full_graphs_bytes("kimi_k3", full_tokens, heads)
         sampled = (memory.CUDA_GRAPH_FULL_SAMPLED["kimi_k3"]
-                   + memory.CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD["kimi_k3"] * full_tokens[-2] * 12)
+                   + memory.CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD["kimi_k3"] * full_tokens[-2] * heads)
         assert charged - sampled == w.full_graph_extrapolated_bytes - w.full_graph_samples[0], d.name
 
 
