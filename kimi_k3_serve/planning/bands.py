@@ -78,8 +78,12 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "7.78 MiB and stage 1's rank at 64 to 512 sequences was 0.10 GiB over) and the constants were "
                    "refitted: k8 3.85 / 3.82 (+0.03), k8-tp1-b4096-s64-dspark 3.62 / 3.63 (was 3.56), stage 1's rank "
                    "at 256 sequences 2.89 / 2.86 (was 2.96); the worst Kimi-K3 errors b200-r43-s1-dspark 1.70 / 1.81 "
-                   "and r44-s1-dspark-l131072-s20 1.99 / 2.10 (-0.11), r49-s0-b12288-s128-u090 0.66 / 0.75 (-0.09); "
-                   "the band stays")
+                   "and r44-s1-dspark-l131072-s20 1.99 / 2.10 (-0.11), r49-s0-b12288-s128-u090 0.66 / 0.75 (-0.09). "
+                   "Round 19's fit runs (twenty-third session) logged what the release is made of (FlashMLA's decode "
+                   "buffers the most, then the projections' outputs and KDA's chunk state: the eager warm-up's "
+                   "buffers the allocator still caches), and joined the fit: the worst Kimi-K3 errors "
+                   "b200-r43-s1-dspark 1.69 / 1.81 and r44-s1-dspark-l131072-s20 1.98 / 2.10 (-0.12), "
+                   "k8-tp1-b4096-s64-dspark 3.60 / 3.63 (-0.03); the band stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 
