@@ -84,11 +84,7 @@ class RankComparison:
         return {"rank": self.rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "rows": [r.to_json() for r in self.rows],
                 "full_graph_samples": list(self.full_graph_samples) if self.full_graph_samples else None,
                 "full_graphs": self.full_graphs,
-                "second_release": None if self.second_release is None else {
-                    "releasable_bytes": self.second_release.releasable_bytes,
-                    "segments": [list(x) for x in self.second_release.segments],
-                    "sites": [list(x) for x in self.second_release.sites],
-                    "untraced_bytes": self.second_release.untraced_bytes}}
+                "second_release": None if self.second_release is None else self.second_release.to_json()}
 
 
 @dataclass(frozen=True)

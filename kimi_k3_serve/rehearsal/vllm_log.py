@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kimi_k3_serve.rehearsal import graph_samples
@@ -92,6 +92,11 @@ class ReleasedCache:
     """``(allocation site, bytes, segments)``, the largest first: what made the segments, where the history ran."""
     untraced_bytes: int
 
+    def to_json(self) -> dict[str, Any]:
+        return {"capture": self.capture, "releasable_bytes": self.releasable_bytes,
+                "segments": [list(x) for x in self.segments], "sites": [list(x) for x in self.sites],
+                "untraced_bytes": self.untraced_bytes}
+
 
 @dataclass(frozen=True)
 class WorkerReading:
@@ -136,7 +141,7 @@ class WorkerReading:
 
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        out["released_caches"] = [asdict(c) for c in self.released_caches]
+        out["released_caches"] = [c.to_json() for c in self.released_caches]
         out["non_torch_bytes"] = self.non_torch_bytes
         out["profiled_non_kv_bytes"] = self.profiled_non_kv_bytes
         return out
