@@ -137,9 +137,11 @@ already read (ranks-round17's score it out of sample)."""
 CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD = {"kimi_k3": int(4.08 * KiB)}
 """The part of the cache released at the second sampled FULL graph that grows with its tokens and the target's heads
 on the rank (its eager warm-up's head-sharded activations), in KiB. Fitted on the estimates, not on the releases: the
-plugin logged 316 to 428 MiB at full width and 496 tokens (this term: 185 MiB), 130 MiB on stage 1's TP8 rank
-(23 MiB), 20 MiB at 8 tokens; the rest sits in the other constants. The release is not smooth in the shapes (the
-allocator's segments), so this is its trend, and the CUDA-graph band holds the rest."""
+plugin logged 316 to 428 MiB at full width and 496 tokens (this term: 190 MiB), 130 MiB on stage 1's TP8 rank
+(24 MiB), 20 MiB at 8 tokens; the rest sits in the other constants. The release is the eager warm-up's buffers that
+the allocator still caches (round 19: FlashMLA's decode buffers the most, then the projections' outputs), and which
+are still cached depends on the allocator's state, so it is not smooth in the shapes: this is its trend, and the
+CUDA-graph band holds the rest."""
 VLLM_FULL_GRAPH_FLOOR = MiB
 """vLLM 0.32's ``_MIN_PER_GRAPH_BYTES`` (v1/worker/gpu/cudagraph_utils.py): what its estimate charges each FULL
 graph after the first once the second sample's drop is below it."""
