@@ -56,13 +56,18 @@ FULL_WIDTH_RELEASE_MIB = {"k4-tp1-serve-defaults-dspark-samples": 374, "k6-tp1-s
 """The allocator cache released at vLLM's second sampled FULL graph (496 tokens, 96 heads), as the H200 logged it."""
 
 
+def _first_workers(folder: Path) -> dict:
+    """Each recorded run's first worker reading, by run name."""
+    return {d.name: parse_vllm_log((d / "vllm.log").read_text(errors="replace")).workers[0]
+            for d in sorted(folder.iterdir()) if (d / "vllm.log").is_file()}
+
+
 def test_vllms_full_graph_samples_are_negative_so_its_estimate_adds_the_released_cache() -> None:
     """ranks-round16 (H200, 2026-12-04), read with the plugin: on every run both sampled FULL graphs freed more
     memory than they took (``torch.cuda.graph`` empties the allocator's cache on entry), so vLLM charged the other
     FULL graphs its 1 MiB floor, and its estimate holds the second graph's release on top of what the capture
     measured. The release is not smooth in depth: 316 to 428 MiB at one width and one token count."""
-    runs = {d.name: parse_vllm_log((d / "vllm.log").read_text(errors="replace")).workers[0]
-            for d in sorted(ROUND16.iterdir()) if (d / "vllm.log").is_file()}
+    runs = _first_workers(ROUND16)
     assert len(runs) == 8 and all(w.full_graph_samples for w in runs.values())
     for name, w in runs.items():
         first, second = w.full_graph_samples
@@ -81,8 +86,7 @@ def test_the_cache_the_plugin_logged_is_what_vllms_second_sample_lost_and_each_b
     graph the empty segments the plugin found are vLLM's negative sample, less what the graph itself took (at most
     14 MiB), and the allocator's history names the code that made every one of them. The largest maker on both is
     FlashMLA's decode call (its output and split-KV buffers, which grow with the graph's tokens and heads)."""
-    runs = {d.name: parse_vllm_log((d / "vllm.log").read_text(errors="replace")).workers[0]
-            for d in sorted(ROUND19.iterdir()) if (d / "vllm.log").is_file()}
+    runs = _first_workers(ROUND19)
     second = {name: next(c for c in w.released_caches if c.capture == 2) for name, w in runs.items()}
     assert {name: round(c.releasable_bytes / MiB) for name, c in second.items()} == {
         "k6-tp1-b4096-s128-dspark": 330, "k8-tp1-b4096-s32-dspark": 186}

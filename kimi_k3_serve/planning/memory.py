@@ -1240,7 +1240,7 @@ def sampled_full_graphs_bytes(family: str, full_tokens: Sequence[int], target_he
     floor = (len(full_tokens) - 1) * VLLM_FULL_GRAPH_FLOOR
     return sampled + floor, (f"{len(full_tokens)} FULL graphs as vLLM samples them: the {min(len(full_tokens), 2)} "
                              f"largest captured ({sampled / MiB:,.0f} MiB with the cache released at {second} tokens) "
-                             f"and {len(full_tokens) - 1} x 1 MiB")
+                             f"and {len(full_tokens) - 1} x {VLLM_FULL_GRAPH_FLOOR / MiB:g} MiB")
 
 
 def cuda_graph_capture_sizes(max_num_seqs: int, decode_query_len: int, max_num_batched_tokens: int,
