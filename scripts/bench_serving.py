@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 # The ``+tput`` sides set on their whole Ray head what `render` sets on every direct-streaming node.
+from kimi_k3_serve import recorded
 from kimi_k3_serve.clusterfiles.render import THROUGHPUT_OPTIMIZED_ENV
 
 # Ray's loopback mode, set before anything imports Ray: on Linux Ray turns 127.0.0.1 into the machine's outward
@@ -893,7 +894,7 @@ def profile_stacks(raw: Path) -> list[tuple[list[str], int]]:
     """py-spy's raw output (one ``frame;frame;... count`` line per distinct stack): each stack's frames, root
     first, and its sample count."""
     stacks = []
-    for line in raw.read_text(errors="replace").splitlines():
+    for line in recorded.read_text(raw, errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         if stack and count.isdigit():
             stacks.append((stack.split(";"), int(count)))

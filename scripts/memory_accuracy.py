@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 import make_kimi_slice  # noqa: E402
 import matrix  # noqa: E402
 
+from kimi_k3_serve import recorded  # noqa: E402
 from kimi_k3_serve.units import GiB  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
@@ -175,7 +176,7 @@ def predict_run(run_dir: Path):
 
     host = json.loads((run_dir.parent / "host.json").read_text())
     total = host["torch_devices"][0]["total_bytes"]
-    reading = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"), device_total_bytes=total)
+    reading = parse_vllm_log(recorded.read_text(run_dir / "vllm.log", errors="replace"), device_total_bytes=total)
     worker = reading.workers[0] if reading.workers else None
     free = worker.free_at_start_bytes if worker and worker.free_at_start_bytes else total
     ns = build_parser().parse_args(["rehearse", *_recorded_flags(run_dir)])
@@ -223,7 +224,7 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
     try:
         report, reading = predict_run(run_dir)
     except ConfigError as error:  # today's plan refuses the settings the run used
-        reading = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"))
+        reading = parse_vllm_log(recorded.read_text(run_dir / "vllm.log", errors="replace"))
         w = reading.workers[0] if reading.workers else None
         refused = _root_cause(reading.errors)
         return [RunAccuracy(run_dir.name, role, reading.started, measured_verdict(reading), "refused",
@@ -231,7 +232,7 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
                             note=f"the plan now refuses these settings ({error}); vLLM: {refused}")]
     measured = measured_verdict(reading)
     stderr = run_dir / "stderr.txt"
-    timed_out = stderr.is_file() and "(--timeout)" in stderr.read_text(errors="replace")
+    timed_out = recorded.exists(stderr) and "(--timeout)" in recorded.read_text(stderr, errors="replace")
     if not reading.started and reading.oom is None:
         kv_sized = any(w.available_kv_bytes is not None for w in reading.workers)
         if reading.errors:
@@ -265,7 +266,8 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
 
 def run_dirs() -> list[Path]:
     """Every recorded engine start (a folder with vLLM's log), but the GQA EAGLE3 run the plan refuses outright."""
-    return [d for d in sorted(FIXTURES.glob("*/*")) if (d / "vllm.log").is_file() and d.name != "k8-tp1-b2048-s256-eagle3"]
+    return [d for d in sorted(FIXTURES.glob("*/*"))
+            if recorded.exists(d / "vllm.log") and d.name != "k8-tp1-b2048-s256-eagle3"]
 
 
 def captures_against_estimates() -> list[tuple[str, int, int]]:
@@ -273,7 +275,7 @@ def captures_against_estimates() -> list[tuple[str, int, int]]:
     from kimi_k3_serve.rehearsal.vllm_log import captures_against_estimates as of_log
 
     return [(d.name, estimate, actual) for d in run_dirs()
-            for estimate, actual in of_log((d / "vllm.log").read_text(errors="replace"))]
+            for estimate, actual in of_log(recorded.read_text(d / "vllm.log", errors="replace"))]
 
 
 def all_runs() -> list[RunAccuracy]:

@@ -13,10 +13,13 @@ prefix by default.
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 import sys
 from pathlib import Path
 from typing import Iterator
+
+from kimi_k3_serve import recorded
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKOUTS = (str(ROOT),)
@@ -32,12 +35,12 @@ def normalized(text: str, checkouts: tuple[str, ...] = CHECKOUTS) -> str:
 
 
 def rewrites(folder: Path, checkouts: tuple[str, ...] = CHECKOUTS) -> Iterator[tuple[Path, str]]:
-    """(file, its text normalized) for every text file under ``folder`` that names a machine path."""
+    """(file, its text normalized) for every text file under ``folder``, plain or gzipped, that names a machine
+    path."""
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        try:
-            with open(path, newline="") as f:  # progress bars keep their carriage returns
-                text = f.read()
-        except UnicodeDecodeError:
+        try:  # progress bars keep their carriage returns
+            text = recorded.read_text(path, newline="")
+        except (UnicodeDecodeError, gzip.BadGzipFile):
             continue  # archives and images: nothing to rewrite
         new = normalized(text, checkouts)
         if new != text:
@@ -54,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     changed = 0
     for folder in args.folders:
         for path, text in list(rewrites(folder, checkouts)):
-            with open(path, "w", newline="") as f:
-                f.write(text)
+            recorded.write_text(path, text)
             changed += 1
     print(f"{changed} file(s) rewritten")
     return 0

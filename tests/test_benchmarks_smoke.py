@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, load_script
+from kimi_k3_serve import recorded
 
 
 @pytest.fixture(scope="module")
@@ -639,9 +640,9 @@ def test_the_recorded_ray_executor_and_two_node_run_rebuilds_to_what_the_benchma
     for side in sides:
         assert latency_quantile(side, 0.25) > latency_quantile("vllm", 0.25) + 0.5
         assert latency_quantile(side, 0.95) <= latency_quantile("vllm", 0.95) + 0.1
-    placement = (folder / "server-direct+key+remote.log").read_text()
+    placement = recorded.read_text(folder / "server-direct+key+remote.log")
     assert "REMOTE REPLICA: the LLM replica's bundles on Ray node(s) " in placement
-    assert "'distributed_executor_backend': 'ray'" in (folder / "server-vllm@ray.log").read_text()
+    assert "'distributed_executor_backend': 'ray'" in recorded.read_text(folder / "server-vllm@ray.log")
     assert (folder / "summary.md").read_text() == (H200_LLAMA_RAY_REMOTE_BENCH / "summary.md").read_text()
     assert not (H200_LLAMA_RAY_REMOTE_BENCH / "api-key").exists()
 
@@ -679,9 +680,9 @@ def test_the_recorded_256_streams_at_once_run_rebuilds_to_what_the_benchmarks_pa
     for direct, bare in zip(at_256("direct+key+remote", "output_throughput"), at_256("vllm", "output_throughput")):
         assert direct < bare  # in every round, not only in the medians
     assert at_256("vllm", "max_concurrent_requests") == [256, 256, 256]  # the client's streams in flight
-    kv_tokens = re.search(r"GPU KV cache size: ([\d,]+) tokens", (folder / "server-vllm.log").read_text())
+    kv_tokens = re.search(r"GPU KV cache size: ([\d,]+) tokens", recorded.read_text(folder / "server-vllm.log"))
     assert int(kv_tokens.group(1).replace(",", "")) >= 256 * (1024 + 256)  # the engine holds every stream at once
-    placement = (folder / "server-direct+key+remote.log").read_text()
+    placement = recorded.read_text(folder / "server-direct+key+remote.log")
     assert "REMOTE REPLICA: the LLM replica's bundles on Ray node(s) " in placement
     assert (folder / "summary.md").read_text() == (H200_LLAMA_256_BENCH / "summary.md").read_text()
     assert not (H200_LLAMA_256_BENCH / "api-key").exists()
@@ -807,8 +808,8 @@ def test_the_three_round_256_streams_run_with_throughput_mode_rebuilds_and_names
         return logged / sum(n for _, n in stacks)
 
     profiles = H200_LLAMA_256_TPUT_3_ROUNDS_BENCH / "profile"
-    assert round(stat_logger_share(next(profiles.glob(f"{side}-llm-replica-*.txt"))), 3) == 0.104
-    assert round(stat_logger_share(next(profiles.glob("vllm-api-server-*.txt"))), 3) == 0.029
+    assert round(stat_logger_share(recorded.glob(profiles, f"{side}-llm-replica-*.txt")[0]), 3) == 0.104
+    assert round(stat_logger_share(recorded.glob(profiles, "vllm-api-server-*.txt")[0]), 3) == 0.029
 
 
 H200_LLAMA_256_VLLM_METRICS_BENCH = REPO_ROOT / "tests/fixtures/bench/2026-12-04-h200-llama-256-vllmmetrics"
@@ -833,16 +834,17 @@ def test_the_256_streams_run_with_vllms_own_metrics_rebuilds_and_names_its_one_m
     # The endpoint served the engine's metrics with the key, as bare vLLM's /metrics does.
     assert summary["meta"]["engine_metrics"] == {name: {"status": 200, "vllm_metrics": 104, "generated_tokens": 8.0}
                                                  for name in ("vllm", side)}
-    assert "vllm:generation_tokens_total" in (folder / f"metrics-{side}.prom").read_text()
+    assert "vllm:generation_tokens_total" in recorded.read_text(folder / f"metrics-{side}.prom")
 
     def share(profile: Path, frame: str) -> float:
         stacks = bench_serving.profile_stacks(profile)
         return sum(n for frames, n in stacks if any(f.startswith(frame) for f in frames)) / sum(n for _, n in stacks)
 
-    replica = next((H200_LLAMA_256_VLLM_METRICS_BENCH / "profile").glob(f"{side}-llm-replica-*.txt"))
+    replica = recorded.glob(H200_LLAMA_256_VLLM_METRICS_BENCH / "profile", f"{side}-llm-replica-*.txt")[0]
     assert round(share(replica, "StatLoggerManager.record "), 3) == 0.007
     assert share(replica, "Metric._record ") == 0  # Ray's metrics API is out of the replica's path
-    earlier = next((H200_LLAMA_256_TPUT_3_ROUNDS_BENCH / "profile").glob("direct+key+remote+tput-llm-replica-*.txt"))
+    earlier = recorded.glob(H200_LLAMA_256_TPUT_3_ROUNDS_BENCH / "profile",
+                            "direct+key+remote+tput-llm-replica-*.txt")[0]
     assert round(share(earlier, "Metric._record "), 3) == 0.089
 
 
@@ -920,7 +922,7 @@ def test_round_0_was_the_only_round_with_prefill_when_every_run_sent_one_seed(be
             if len(ttft) > 1:  # bare vLLM's round 1 at 64 was cut in the short run
                 slower_first[(run.name, side)] = min(ttft[0] / later for later in ttft[1:])
     assert len(slower_first) == 9 and min(slower_first.values()) >= 3, slower_first
-    log = (H200_LLAMA_256_VLLM_METRICS_BENCH / "server-vllm.log").read_text()
+    log = recorded.read_text(H200_LLAMA_256_VLLM_METRICS_BENCH / "server-vllm.log")
     assert float(re.findall(r"Prefix cache hit rate: ([0-9.]+)%", log)[-1]) >= 90
 
 
@@ -948,7 +950,7 @@ def test_the_256_stream_preset_with_new_prompts_every_round_meets_every_goal_twi
                    for c in goals for goal in ("throughput", "ttft", "tpot", "itl"))
         assert {r["rounds"] for r in summary["rows"]} == {3} and len(summary["rows"]) == 8
         assert summary["meta"]["new_prompts_each_run"] and summary["meta"]["failed_sides"] == {}
-        log = (fixture / "server-vllm.log").read_text()
+        log = recorded.read_text(fixture / "server-vllm.log")
         assert max(float(rate) for rate in re.findall(r"Prefix cache hit rate: ([0-9.]+)%", log)) < 1
         for name in ("vllm", side):
             ttft = _ttft_per_round_at_64(fixture, name)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import last_logged_int
+from kimi_k3_serve import recorded
 from kimi_k3_serve.planning.memory import cuda_graph_capture_sizes, uniform_decode_graph_tokens
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
@@ -23,8 +24,8 @@ def _captured(bar: str, text: str) -> int:
 
 def _logged_runs() -> list[tuple[str, str]]:
     runs = []
-    for log in sorted(FIXTURES.glob("*/*/vllm.log")):
-        text = log.read_text(errors="replace")
+    for log in recorded.glob(FIXTURES, "*/*/vllm.log"):
+        text = recorded.read_text(log, errors="replace")
         if re.search(r"'cudagraph_capture_sizes': \[\d", text) and "'max_num_seqs': " in text:
             runs.append((f"{log.parent.parent.name}/{log.parent.name}", text))
     return runs

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kimi_k3_serve import recorded
 from kimi_k3_serve.rehearsal import graph_samples
 from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 from kimi_k3_serve.units import MiB
@@ -58,8 +59,8 @@ FULL_WIDTH_RELEASE_MIB = {"k4-tp1-serve-defaults-dspark-samples": 374, "k6-tp1-s
 
 def _first_workers(folder: Path) -> dict:
     """Each recorded run's first worker reading, by run name."""
-    return {d.name: parse_vllm_log((d / "vllm.log").read_text(errors="replace")).workers[0]
-            for d in sorted(folder.iterdir()) if (d / "vllm.log").is_file()}
+    return {d.name: parse_vllm_log(recorded.read_text(d / "vllm.log", errors="replace")).workers[0]
+            for d in sorted(folder.iterdir()) if recorded.exists(d / "vllm.log")}
 
 
 def test_vllms_full_graph_samples_are_negative_so_its_estimate_adds_the_released_cache() -> None:
@@ -225,9 +226,9 @@ def test_the_plan_charges_the_full_graphs_as_vllms_estimate_does() -> None:
     from kimi_k3_serve.planning import memory
 
     for d in sorted(ROUND16.iterdir()):
-        if not (d / "vllm.log").is_file():
+        if not recorded.exists(d / "vllm.log"):
             continue
-        text = (d / "vllm.log").read_text(errors="replace")
+        text = recorded.read_text(d / "vllm.log", errors="replace")
         (w,) = parse_vllm_log(text).workers
         seqs = last_logged_int(r"'max_num_seqs': (\d+)", text)
         tokens = last_logged_int(r"'max_num_batched_tokens': (\d+)", text)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, load_script
+from kimi_k3_serve import recorded
 from kimi_k3_serve.cli import main
 from kimi_k3_serve.planning.inventory import GpuInfo
 from kimi_k3_serve.commands.rehearse import visible_gpus
@@ -33,7 +34,7 @@ H200 = RankDevice(150109880320, (9, 0), name="NVIDIA H200")  # torch's total on 
 
 
 def run_log(name: str):
-    return parse_vllm_log((RUNS / name / "vllm.log").read_text())
+    return parse_vllm_log(recorded.read_text(RUNS / name / "vllm.log"))
 
 
 def gib(x: float) -> int:
@@ -146,14 +147,14 @@ def test_the_shared_workspace_is_the_size_vllm_logged() -> None:
     from kimi_k3_serve.planning.workspace import moe_buffer_bytes, triton_mla_logits_bytes
 
     day = REPO_ROOT / "tests" / "fixtures" / "gpu" / "2026-12-01"
-    log = (day / "k6-tp1-b8192-s768-dspark-u080" / "vllm.log").read_text()
+    log = recorded.read_text(day / "k6-tp1-b8192-s768-dspark-u080" / "vllm.log")
     sizes = {m.group(1): float(m.group(2))
              for m in re.finditer(r"Resized workspace from '([^']+)': [0-9.]+ MB -> ([0-9.]+) MB", log)}
     mib = 2**20
     assert sizes["modular_kernel.py:1141:_allocate_buffers"] * mib == moe_buffer_bytes(8192, 16, 3072, 3584)
     assert sizes["triton_mla.py:90:_reserve_attn_logits_workspace"] * mib == triton_mla_logits_bytes(
         768, 8, 96, 512, 8192, (9, 0))
-    rank = (day / "r23-s3-pp4-dspark-b16384-s64" / "vllm.log").read_text()
+    rank = recorded.read_text(day / "r23-s3-pp4-dspark-b16384-s64" / "vllm.log")
     assert "0.00 MB -> 3584.00 MB" in rank and moe_buffer_bytes(16384, 16, 384, 3584) == 3584 * mib
 
 
@@ -168,8 +169,8 @@ def test_dspark_capture_workspace_is_the_lane_vllm_logged() -> None:
     and 96 heads), to the caching allocator's 2 MiB block; round 10's two sizes at 131,072 tokens were predicted
     before they ran."""
     seen: dict[float, Path] = {}
-    for log in sorted((REPO_ROOT / "tests" / "fixtures" / "gpu").glob("*/*/vllm.log")):
-        for m in DRAFT_LANE.finditer(log.read_text(errors="replace")):
+    for log in recorded.glob(REPO_ROOT / "tests" / "fixtures" / "gpu", "*/*/vllm.log"):
+        for m in DRAFT_LANE.finditer(recorded.read_text(log, errors="replace")):
             seen.setdefault(float(m.group(1)), log.parent)
     assert {168.33, 157.81, 462.9, 673.31, 746.96, 1493.91, 841.64, 2693.25} <= set(seen)
     for logged_mb, run_dir in seen.items():
@@ -187,8 +188,8 @@ def test_dspark_graphs_are_counted_at_their_own_sizes() -> None:
     """DSpark captures its own FULL graphs, in multiples of its 7 query rows a request (not the target's 8): as many
     as vLLM's progress bar counted, on one recorded run per count (14 to 48)."""
     seen: dict[int, Path] = {}
-    for log in sorted((REPO_ROOT / "tests" / "fixtures" / "gpu").glob("*/*/vllm.log")):
-        counts = DSPARK_GRAPHS.findall(log.read_text(errors="replace"))
+    for log in recorded.glob(REPO_ROOT / "tests" / "fixtures" / "gpu", "*/*/vllm.log"):
+        counts = DSPARK_GRAPHS.findall(recorded.read_text(log, errors="replace"))
         if counts:
             seen.setdefault(int(counts[-1]), log.parent)  # the real capture's, after the profile's
     assert {14, 15, 20, 45, 48} <= set(seen)
@@ -201,7 +202,7 @@ def test_dspark_graphs_are_counted_at_their_own_sizes() -> None:
 def test_a_near_miss_gives_its_budget_and_cuda_graph_estimate_once_the_total_is_known() -> None:
     # The 8-layer slice stopped before vLLM's summary line (max_num_seqs over the state blocks), so the log never
     # printed the GPU's total; its utilization line still says 0.9200 is 0.8927 without the CUDA-graph estimate.
-    log = (SECOND_HOST / "k8-tp1-serve-defaults-dspark" / "vllm.log").read_text()
+    log = recorded.read_text(SECOND_HOST / "k8-tp1-serve-defaults-dspark" / "vllm.log")
     alone = parse_vllm_log(log).workers[0]
     assert alone.cuda_graph_estimate_bytes is None and alone.requested_bytes is None
     total = json.loads((SECOND_HOST / "host.json").read_text())["torch_devices"][0]["total_bytes"]
@@ -401,7 +402,7 @@ def two_gpu_run(name: str):
     """(plan, vLLM's reading) of a 2 x H200 run of the 4-layer slice + DSpark, with the run's own engine kwargs."""
     run = TWO_GPUS / name
     kwargs = json.loads((run / "spec.json").read_text())["engine_kwargs"]
-    reading = parse_vllm_log((run / "vllm.log").read_text())
+    reading = parse_vllm_log(recorded.read_text(run / "vllm.log"))
     host = json.loads((TWO_GPUS / "host.json").read_text())["torch_devices"][0]["total_bytes"]
     slice4 = inventory_from_config(slice_text_config(read_config("kimi-k3")[0], 4), name="slice")
     dspark = inventory_from_config(slice_draft_config(read_config("kimi-k3-dspark")[0], 4), name="dspark")
@@ -613,13 +614,13 @@ def test_parser_gives_every_worker_its_rank_on_two_gpus() -> None:
     """Under the mp executor only rank 0 logs "is assigned as": the others' ranks come from parallel_state's init
     line and their Worker_TPn / Worker_PPn label (2 x H200, 2026-11-30)."""
     two = REPO_ROOT / "tests" / "fixtures" / "gpu" / "2026-11-30-two-gpus"
-    tp2 = parse_vllm_log((two / "rehearse-tp2" / "vllm.log").read_text())
+    tp2 = parse_vllm_log(recorded.read_text(two / "rehearse-tp2" / "vllm.log"))
     assert [(w.rank, w.pp_rank, w.tp_rank) for w in tp2.workers] == [(0, 0, 0), (1, 0, 1)]
     assert tp2.worker_of_rank(1).model_load_bytes == round(30.03 * GiB)
-    pp2 = parse_vllm_log((two / "k4-pp2-serve-defaults-dspark" / "vllm.log").read_text())
+    pp2 = parse_vllm_log(recorded.read_text(two / "k4-pp2-serve-defaults-dspark" / "vllm.log"))
     assert [(w.rank, w.pp_rank, w.tp_rank) for w in pp2.workers] == [(0, 0, 0), (1, 1, 0)]
     assert pp2.worker_of_rank(1).model_load_bytes == round(40.68 * GiB)  # the last stage holds the draft
-    two_nodes = parse_vllm_log((two / "serve-two-nodes" / "vllm.log").read_text())  # Ray workers: both log it
+    two_nodes = parse_vllm_log(recorded.read_text(two / "serve-two-nodes" / "vllm.log"))  # Ray workers: both log it
     assert [(w.rank, w.pp_rank) for w in two_nodes.workers] == [(0, 0), (1, 1)] and two_nodes.started
 
 
@@ -833,7 +834,8 @@ def test_the_kimi_forward_peak_read_from_vllms_code_is_vllms_measured_torch_peak
         args = rehearse.materialize_rank_slice(rehearse.serve_args_of(ns), tmp_path, ns.rank_of)[0]
         model, engine, _ = planner_inputs(args)
     total = json.loads((run_dir.parent / "host.json").read_text())["torch_devices"][0]["total_bytes"]
-    worker = parse_vllm_log((run_dir / "vllm.log").read_text(errors="replace"), device_total_bytes=total).workers[0]
+    log = recorded.read_text(run_dir / "vllm.log", errors="replace")
+    worker = parse_vllm_log(log, device_total_bytes=total).workers[0]
     measured = worker.peak_activation_bytes - worker.cuda_graph_estimate_bytes
     planned = engine.max_num_batched_tokens * kimi_forward_peak_bytes_per_token(model, 0, len(model.layers))
     assert abs(planned - measured) <= 0.01 * GiB, (name, planned / GiB, measured / GiB)

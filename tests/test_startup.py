@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kimi_k3_serve import recorded
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.checkpoint import NodeBandwidth, NodeLoad
 from kimi_k3_serve.planning.startup import (
@@ -33,7 +34,7 @@ def test_engine_start_is_the_slowest_full_depth_rank_run_read_from_its_logs():
     slowest = max(seconds, key=seconds.get)
     assert ENGINE_START_S == seconds[slowest] == 360.0, seconds
     assert ENGINE_START_RUN == f"tests/fixtures/gpu/2026-12-01/{slowest}"
-    log = (RUNS / slowest / "vllm.log").read_text()
+    log = recorded.read_text(RUNS / slowest / "vllm.log")
     init = [float(x) for x in re.findall(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s", log)]
     loading = [float(x) for x in re.findall(r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds", log)]
     assert init == [196.62] and loading == [21.597665]

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Re-split the offline bundle into smaller parts, so that one part and the working tree pass a device call's 64 MiB
-# carry limit (2026-12-02: the tree had grown to 7.3 MB, and a 58 MiB part with it did not; 2026-12-03: at 9.8 MB a
-# 54 MiB part did not either; 2026-12-04: at 14.0 MB a 50 MiB part did not; 2026-12-05:
-# at 18.7 MB a 45 MiB part did not, 40M does). host_setup.sh joins
-# `part.*` in name order whatever their size; the manifest is
-# rewritten for the new parts.
-#   bash scripts/gpu/split_bundle.sh .gpu-bundle 40M
+# Re-split the offline bundle into parts that each pass a device call's 64 MiB carry limit beside the working tree.
+# The limit counts the tree about as a tar archive holds it (every tracked and untracked-not-ignored file, a 512-byte
+# header each, padded to 512 bytes): that rule fits every refusal and every pass since 2026-12-02, where the files'
+# own sizes do not (2026-12-05: 18.7 MiB of files and a 45 MiB part were refused; their tar is 19.3 MiB). With no size
+# given, a part is the largest whole MiB that leaves 2 MiB beside today's tree, for the fixtures a session adds.
+# host_setup.sh joins `part.*` in name order whatever their size; the manifest is rewritten for the new parts.
+#   bash scripts/gpu/split_bundle.sh .gpu-bundle        # the largest part that fits beside today's tree
+#   bash scripts/gpu/split_bundle.sh .gpu-bundle 40M    # a size of your own
 set -euo pipefail
-bundle="${1:?bundle folder}"; size="${2:-40M}"
+bundle="${1:?bundle folder}"
+tree_bytes="$(cd "$(git rev-parse --show-toplevel)" && git ls-files -z -co --exclude-standard \
+  | tar -cf - --null -T - --ignore-failed-read 2>/dev/null | wc -c)"
+size="${2:-$(( (64 * 1048576 - tree_bytes) / 1048576 - 2 ))M}"
+echo "working tree: $(( tree_bytes / 1048576 )) MiB as tar; parts of $size"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 cat "$bundle"/part.* > "$tmp/bundle.tar"
 rm "$bundle"/part.*

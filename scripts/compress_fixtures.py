@@ -1,0 +1,56 @@
+"""Store a recorded run's logs gzipped: every ``.log``, ``.txt``, ``.prom``, ``.out`` and ``.err`` file under the
+folders named becomes ``NAME.gz``, byte for byte the same text. Run it after normalize_fixture_paths.py, on each run
+copied in:
+
+    python scripts/normalize_fixture_paths.py tests/fixtures/gpu/2026-12-06-round20
+    python scripts/compress_fixtures.py tests/fixtures/gpu/2026-12-06-round20
+
+Every call to a GPU host carries the whole working tree, the fixtures with it, and the tree's size sets how large a
+part of the offline bundle one call can carry beside it (64 MiB in all): the logs, stored plain, were 10 MB of the
+tree's 19 MB. Readers name the plain file (kimi_k3_serve/recorded.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kimi_k3_serve import recorded
+
+LOG_SUFFIXES = (".log", ".txt", ".prom", ".out", ".err")
+"""What a run writes as text to read later: vLLM's and Serve's logs, py-spy's profiles, Prometheus scrapes, stderr."""
+
+
+def plain_logs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in LOG_SUFFIXES)
+
+
+def compress(path: Path) -> Path:
+    """``path`` stored as ``path.gz``, the plain file removed."""
+    target = path.with_name(path.name + recorded.GZIP_SUFFIX)
+    target.write_bytes(recorded.gzipped(path.read_bytes()))
+    path.unlink()
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    missing = [str(f) for f in args.folders if not f.is_dir()]
+    if missing:
+        print(f"error: folders: {', '.join(missing)}: not a folder; name the folders of recorded runs",
+              file=sys.stderr)
+        return 2
+    before = after = 0
+    for folder in args.folders:
+        for path in plain_logs(folder):
+            before += path.stat().st_size
+            after += compress(path).stat().st_size
+    print(f"compressed {before / 2**20:.2f} MiB of logs to {after / 2**20:.2f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
