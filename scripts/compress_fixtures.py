@@ -6,8 +6,8 @@ copied in:
     python scripts/compress_fixtures.py tests/fixtures/gpu/2026-12-06-round20
 
 Every call to a GPU host carries the whole working tree, the fixtures with it, and the tree's size sets how large a
-part of the offline bundle one call can carry beside it (64 MiB in all): the logs, stored plain, were 10 MB of the
-tree's 19 MB. Readers name the plain file (kimi_k3_serve/recorded.py).
+part of the offline bundle one call can carry beside it (64 MiB in all): the logs, stored plain, were 9.6 MiB of the
+tree's 18.7 MiB. Readers name the plain file (kimi_k3_serve/recorded.py).
 """
 
 from __future__ import annotations

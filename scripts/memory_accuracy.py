@@ -138,8 +138,8 @@ def _recorded_flags(run_dir: Path) -> list[str]:
     relative to the checkout the run started in (its working directory): the same files of this one."""
     job = run_dir / "job.json"
     command = json.loads(job.read_text()).get("command") if job.is_file() else None
-    recorded = command is not None and "rehearse" in command
-    flags = command[command.index("rehearse") + 1:] if recorded else list(_job(run_dir.name).args)
+    from_job = command is not None and "rehearse" in command
+    flags = command[command.index("rehearse") + 1:] if from_job else list(_job(run_dir.name).args)
     out, skip = [], False
     for i, flag in enumerate(flags):  # where the run wrote, and how long it could take, do not change the prediction
         if skip:

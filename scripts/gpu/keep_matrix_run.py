@@ -1,0 +1,118 @@
+"""Keep what a rehearsal-matrix call returned from the GPU host as a dated fixture.
+
+    python scripts/gpu/keep_matrix_run.py RETURNED tests/fixtures/gpu/2026-12-06-round20 --call 1
+
+RETURNED is the folder the call's ``$OUT`` came back to: ``rehearse-<set>.tar.gz`` (matrix.py's archive of every
+job's folder), ``matrix-<phase>.log`` and ``host.json``. Into the fixture folder go:
+- each job's folder but its ``stdout.json`` (the rehearsal's ``--json`` print, which ``result.json`` keeps);
+- the call's log, as ``matrix-<phase>-call<N>.log``;
+- ``host.json``, unless the folder has one already (one host a folder);
+- each file a run read through a relative ``--config`` or ``--model`` path, under ``checkout/``, as this working
+  tree has it (what the call carried, so keep a run before editing a config): the replay reads the config a run ran
+  with, not a later one (scripts/memory_accuracy.py).
+Then the checkout's paths are taken out of the logs (normalize_fixture_paths.py), and the logs are gzipped
+(compress_fixtures.py). A job folder that is already there is refused, so nothing recorded is overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tarfile
+from pathlib import Path, PurePosixPath
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import compress_fixtures  # noqa: E402
+import normalize_fixture_paths  # noqa: E402
+
+LEFT_OUT = {"stdout.json"}
+READ_FLAGS = ("--config", "--model")
+
+
+class KeepError(Exception):
+    """Input that cannot be kept: one line, naming what and why."""
+
+
+def _jobs(archive: Path) -> dict[str, dict[str, bytes]]:
+    """Each job's files (name -> bytes) in matrix.py's archive, which holds ``JOB/FILE`` and nothing else."""
+    jobs: dict[str, dict[str, bytes]] = {}
+    try:
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                parts = PurePosixPath(member.name).parts
+                if not member.isfile() or len(parts) != 2 or ".." in parts or member.name.startswith("/"):
+                    raise KeepError(f"{archive.name}: member {member.name!r}: expected JOB/FILE, as matrix.py packs")
+                if parts[1] not in LEFT_OUT:
+                    jobs.setdefault(parts[0], {})[parts[1]] = tar.extractfile(member).read()
+    except tarfile.TarError as error:
+        raise KeepError(f"{archive.name}: not a readable archive ({error})") from None
+    return jobs
+
+
+def _files_read(job_json: bytes) -> list[str]:
+    """The relative paths a run's command named after ``--config`` or ``--model``."""
+    try:
+        command = json.loads(job_json).get("command") or []
+    except (ValueError, AttributeError):
+        raise KeepError("job.json: not the JSON object matrix.py writes (with its \"command\")") from None
+    return [command[i + 1] for i, flag in enumerate(command[:-1])
+            if flag in READ_FLAGS and not Path(command[i + 1]).is_absolute()]
+
+
+def keep(returned: Path, into: Path, call: int) -> list[str]:
+    """Copy one call's results into ``into``; the jobs kept, by name."""
+    archives = sorted(returned.glob("rehearse-*.tar.gz"))
+    logs = sorted(returned.glob("matrix-*.log"))
+    if len(archives) != 1 or len(logs) != 1:
+        raise KeepError(f"{returned}: expected one rehearse-<set>.tar.gz and one matrix-<phase>.log, found "
+                        f"{[p.name for p in archives + logs] or 'neither'}")
+    jobs = _jobs(archives[0])
+    present = sorted(name for name in jobs if (into / name).exists())
+    if present:
+        raise KeepError(f"{into}: already holds {', '.join(present)}; a recorded run is never overwritten")
+    log_name = f"{logs[0].stem}-call{call}.log"
+    if (into / log_name).exists() or (into / (log_name + ".gz")).exists():
+        raise KeepError(f"--call: {call}: {into / log_name} is kept already; name the call's own number")
+    into.mkdir(parents=True, exist_ok=True)
+    for name, files in jobs.items():
+        (into / name).mkdir()
+        for file_name, data in files.items():
+            (into / name / file_name).write_bytes(data)
+        for read in _files_read(files.get("job.json", b"{}")):
+            source, kept = ROOT / read, into / "checkout" / read
+            if source.is_file() and not kept.exists():
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, kept)
+    shutil.copyfile(logs[0], into / log_name)
+    if (returned / "host.json").is_file() and not (into / "host.json").exists():
+        shutil.copyfile(returned / "host.json", into / "host.json")
+    normalize_fixture_paths.main([str(into)])
+    compress_fixtures.main([str(into)])
+    return sorted(jobs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("returned", type=Path, help="the folder the call's $OUT came back to")
+    parser.add_argument("into", type=Path, help="the date's fixture folder, tests/fixtures/gpu/<date>-roundN")
+    parser.add_argument("--call", type=int, required=True, help="the call's number in the session (1, 2, ...)")
+    args = parser.parse_args(argv)
+    try:
+        if not args.returned.is_dir():
+            raise KeepError(f"returned: {args.returned}: not a folder; name the folder the call's $OUT came back to")
+        if args.call < 1:
+            raise KeepError(f"--call: {args.call}: the call's number in the session, 1 or more")
+        kept = keep(args.returned, args.into, args.call)
+    except KeepError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"kept {len(kept)} run(s) in {args.into}: {', '.join(kept)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

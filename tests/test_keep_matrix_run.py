@@ -1,0 +1,93 @@
+"""What a rehearsal-matrix call returned becomes a dated fixture in one step (scripts/gpu/keep_matrix_run.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+import tarfile
+
+from conftest import REPO_ROOT
+from kimi_k3_serve import recorded
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("keep_matrix_run", REPO_ROOT / "scripts" / "gpu" / "keep_matrix_run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["keep_matrix_run"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+keep_matrix_run = _load()
+
+JOB = {"command": ["kimi-k3-serve", "rehearse", "--config", "deploy/config.yaml", "--rank-of", "1", "--json"],
+       "role": "validation", "seconds": 301.5}
+
+
+def _returned(folder, jobs: dict[str, dict[str, bytes]]):
+    """A call's $OUT as matrix.py and run_all.sh leave it."""
+    folder.mkdir()
+    with tarfile.open(folder / "rehearse-ranks-round17.tar.gz", "w:gz") as tar:
+        for job, files in jobs.items():
+            for name, data in files.items():
+                info = tarfile.TarInfo(f"{job}/{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (folder / "matrix-ranks.log").write_text("r44-s1-dspark-b8192-s35: exit 0 in 301 s\n")
+    (folder / "host.json").write_text('{"torch": "2.13.0+cu130"}')
+    return folder
+
+
+def test_a_call_is_kept_as_the_replay_reads_it(tmp_path, capsys) -> None:
+    log = f"INFO rootdir: {REPO_ROOT}\nINFO GPU KV cache size: 539,354 tokens\n".encode()
+    returned = _returned(tmp_path / "out", {"r44-s1-dspark-b8192-s35": {
+        "vllm.log": log, "stdout.json": b"{}", "stderr.txt": b"", "job.json": json.dumps(JOB).encode(),
+        "spec.json": b"{}", "result.json": b'{"verdict": "fits"}'}})
+    into = tmp_path / "2026-12-06-round20"
+    assert keep_matrix_run.main([str(returned), str(into), "--call", "2"]) == 0
+    run = into / "r44-s1-dspark-b8192-s35"
+    assert sorted(p.name for p in run.iterdir()) == \
+        ["job.json", "result.json", "spec.json", "stderr.txt.gz", "vllm.log.gz"]  # stdout.json left out
+    assert recorded.read_text(run / "vllm.log") == "INFO rootdir: .\nINFO GPU KV cache size: 539,354 tokens\n"
+    assert recorded.read_text(into / "matrix-ranks-call2.log").startswith("r44-s1-dspark-b8192-s35: exit 0")
+    assert (into / "host.json").read_text() == '{"torch": "2.13.0+cu130"}'
+    # The deploy config the run read, as the call carried it: the replay runs the rank with it.
+    assert (into / "checkout" / "deploy" / "config.yaml").read_bytes() == \
+        (REPO_ROOT / "deploy" / "config.yaml").read_bytes()
+    assert "kept 1 run(s)" in capsys.readouterr().out
+
+
+def test_a_recorded_run_is_never_overwritten(tmp_path, capsys) -> None:
+    returned = _returned(tmp_path / "out", {"k7-tp1-b3072-s64-dspark": {
+        "vllm.log": b"first\n", "job.json": json.dumps(JOB).encode()}})
+    into = tmp_path / "round20"
+    assert keep_matrix_run.main([str(returned), str(into), "--call", "1"]) == 0
+    kept = {p: p.read_bytes() for p in into.rglob("*") if p.is_file()}
+    assert keep_matrix_run.main([str(returned), str(into), "--call", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds k7-tp1-b3072-s64-dspark" in err
+    assert {p: p.read_bytes() for p in into.rglob("*") if p.is_file()} == kept
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    cases = {
+        "missing": ([str(tmp_path / "nowhere"), str(tmp_path / "into"), "--call", "1"], "returned: "),
+        "call": ([str(tmp_path), str(tmp_path / "into"), "--call", "0"], "--call: 0"),
+        "empty": ([str(tmp_path), str(tmp_path / "into"), "--call", "1"], "expected one rehearse-<set>.tar.gz"),
+    }
+    for argv, said in cases.values():
+        assert keep_matrix_run.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    with tarfile.open(evil / "rehearse-x.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo("../../escape.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    (evil / "matrix-ranks.log").write_text("")
+    assert keep_matrix_run.main([str(evil), str(tmp_path / "into"), "--call", "1"]) == 2
+    assert "expected JOB/FILE" in capsys.readouterr().err
+    assert not (tmp_path / "into").exists() and not (tmp_path.parent / "escape.txt").exists()
