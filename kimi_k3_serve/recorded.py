@@ -13,6 +13,15 @@ import os
 from pathlib import Path
 
 GZIP_SUFFIX = ".gz"
+LOG_SUFFIXES = (".log", ".txt", ".prom", ".out", ".err")
+"""What a run writes as text to read later, and what is stored gzipped: vLLM's and Serve's logs, py-spy's profiles,
+Prometheus scrapes, stderr."""
+
+
+def is_gzipped_log(path: str | os.PathLike) -> bool:
+    """``NAME.gz`` where NAME is a log (``vllm.log.gz``), not any archive (``jit-cache.tar.gz``)."""
+    name = Path(path).name
+    return name.endswith(GZIP_SUFFIX) and Path(name[:-len(GZIP_SUFFIX)]).suffix in LOG_SUFFIXES
 
 
 def stored_as(path: str | os.PathLike) -> Path:
@@ -31,7 +40,7 @@ def exists(path: str | os.PathLike) -> bool:
 
 def read_text(path: str | os.PathLike, *, errors: str = "strict", newline: str | None = None) -> str:
     stored = stored_as(path)
-    if stored.name.endswith(GZIP_SUFFIX):
+    if is_gzipped_log(stored):
         with gzip.open(stored, "rt", encoding="utf-8", errors=errors, newline=newline) as handle:
             return handle.read()
     with open(stored, encoding="utf-8", errors=errors, newline=newline) as handle:
@@ -47,14 +56,15 @@ def gzipped(data: bytes) -> bytes:
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path``, gzipped when its name ends in ``.gz``, line endings as given."""
+    """Write ``text`` to ``path``, gzipped when it is a gzipped log's name, line endings as given."""
     data = text.encode("utf-8")
-    Path(path).write_bytes(gzipped(data) if str(path).endswith(GZIP_SUFFIX) else data)
+    Path(path).write_bytes(gzipped(data) if is_gzipped_log(path) else data)
 
 
 def glob(folder: str | os.PathLike, pattern: str) -> list[Path]:
     """The files under ``folder`` that match ``pattern``, stored plain or gzipped, each named as the run wrote it."""
     folder = Path(folder)
-    plain = {p for p in folder.glob(pattern) if not p.name.endswith(GZIP_SUFFIX)}
-    compressed = {p.with_name(p.name[:-len(GZIP_SUFFIX)]) for p in folder.glob(pattern + GZIP_SUFFIX)}
+    plain = {p for p in folder.glob(pattern) if not is_gzipped_log(p)}
+    compressed = {p.with_name(p.name[:-len(GZIP_SUFFIX)]) for p in folder.glob(pattern + GZIP_SUFFIX)
+                  if is_gzipped_log(p)}
     return sorted(plain | compressed)

@@ -13,23 +13,34 @@ tree's 18.7 MiB. Readers name the plain file (kimi_k3_serve/recorded.py).
 from __future__ import annotations
 
 import argparse
+import gzip
 import sys
 from pathlib import Path
 
-from kimi_k3_serve import recorded
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-LOG_SUFFIXES = (".log", ".txt", ".prom", ".out", ".err")
-"""What a run writes as text to read later: vLLM's and Serve's logs, py-spy's profiles, Prometheus scrapes, stderr."""
+from kimi_k3_serve import recorded  # noqa: E402
+
+
+class StoredDiffers(Exception):
+    """A log is there both plain and gzipped, with different text: a recorded log is never replaced."""
 
 
 def plain_logs(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in LOG_SUFFIXES)
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in recorded.LOG_SUFFIXES)
 
 
 def compress(path: Path) -> Path:
-    """``path`` stored as ``path.gz``, the plain file removed."""
+    """``path`` stored as ``path.gz``, the plain file removed. Where ``path.gz`` is there already, the plain file
+    goes only if it holds the same text."""
     target = path.with_name(path.name + recorded.GZIP_SUFFIX)
-    target.write_bytes(recorded.gzipped(path.read_bytes()))
+    data = path.read_bytes()
+    if target.exists():
+        if gzip.decompress(target.read_bytes()) != data:
+            raise StoredDiffers(f"{path}: {target.name} is there with other text; keep one of them")
+    else:
+        target.write_bytes(recorded.gzipped(data))
     path.unlink()
     return target
 
@@ -44,10 +55,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     before = after = 0
-    for folder in args.folders:
-        for path in plain_logs(folder):
-            before += path.stat().st_size
-            after += compress(path).stat().st_size
+    try:
+        for folder in args.folders:
+            for path in plain_logs(folder):
+                before += path.stat().st_size
+                after += compress(path).stat().st_size
+    except StoredDiffers as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(f"compressed {before / 2**20:.2f} MiB of logs to {after / 2**20:.2f} MiB")
     return 0
 

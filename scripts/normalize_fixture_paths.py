@@ -16,12 +16,15 @@ import argparse
 import gzip
 import re
 import sys
+import zlib
 from pathlib import Path
 from typing import Iterator
 
-from kimi_k3_serve import recorded
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kimi_k3_serve import recorded  # noqa: E402
+
 CHECKOUTS = (str(ROOT),)
 """Where the checkouts that recorded the fixtures lived by default: this one (the GPU host's copy shares its path)."""
 TEMP = re.compile(r"(?<![\w.-])/tmp/")
@@ -38,10 +41,12 @@ def rewrites(folder: Path, checkouts: tuple[str, ...] = CHECKOUTS) -> Iterator[t
     """(file, its text normalized) for every text file under ``folder``, plain or gzipped, that names a machine
     path."""
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        if path.name.endswith(recorded.GZIP_SUFFIX) and not recorded.is_gzipped_log(path):
+            continue  # an archive: nothing to rewrite
         try:  # progress bars keep their carriage returns
             text = recorded.read_text(path, newline="")
-        except (UnicodeDecodeError, gzip.BadGzipFile):
-            continue  # archives and images: nothing to rewrite
+        except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error):
+            continue  # images, and a log that is not whole: nothing to rewrite
         new = normalized(text, checkouts)
         if new != text:
             yield path, new

@@ -225,9 +225,11 @@ def test_the_plan_charges_the_full_graphs_as_vllms_estimate_does() -> None:
     from conftest import last_logged_int
     from kimi_k3_serve.planning import memory
 
+    checked = []
     for d in sorted(ROUND16.iterdir()):
         if not recorded.exists(d / "vllm.log"):
             continue
+        checked.append(d.name)
         text = recorded.read_text(d / "vllm.log", errors="replace")
         (w,) = parse_vllm_log(text).workers
         seqs = last_logged_int(r"'max_num_seqs': (\d+)", text)
@@ -241,6 +243,7 @@ def test_the_plan_charges_the_full_graphs_as_vllms_estimate_does() -> None:
         sampled = (memory.CUDA_GRAPH_FULL_SAMPLED["kimi_k3"]
                    + memory.CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD["kimi_k3"] * full_tokens[-2] * heads)
         assert charged - sampled == w.full_graph_extrapolated_bytes - w.full_graph_samples[0], d.name
+    assert len(checked) == 8, checked  # round 18's eight engine starts
 
 
 def test_the_plans_estimate_moves_with_vllms_floor_once_per_full_graph_after_the_first(monkeypatch) -> None:

@@ -13,7 +13,8 @@ from kimi_k3_serve import recorded
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("keep_matrix_run", REPO_ROOT / "scripts" / "gpu" / "keep_matrix_run.py")
+    path = REPO_ROOT / "scripts" / "gpu" / "keep_matrix_run.py"
+    spec = importlib.util.spec_from_file_location("keep_matrix_run", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["keep_matrix_run"] = module
     spec.loader.exec_module(module)
@@ -91,3 +92,28 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:
     assert keep_matrix_run.main([str(evil), str(tmp_path / "into"), "--call", "1"]) == 2
     assert "expected JOB/FILE" in capsys.readouterr().err
     assert not (tmp_path / "into").exists() and not (tmp_path.parent / "escape.txt").exists()
+
+
+def test_a_broken_call_leaves_the_fixture_folder_as_it_was(tmp_path, capsys) -> None:
+    into = tmp_path / "round20"
+    into.mkdir()
+    (into / "host.json").write_text("{}")
+    outside = dict(JOB, command=["kimi-k3-serve", "rehearse", "--config", "../../../elsewhere.yaml"])
+    cut = _returned(tmp_path / "cut", {"k6": {"vllm.log": b"x" * 4096}})
+    whole = (cut / "rehearse-ranks-round17.tar.gz").read_bytes()
+    (cut / "rehearse-ranks-round17.tar.gz").write_bytes(whole[:len(whole) // 2])
+    cases = {
+        "outside": (_returned(tmp_path / "outside", {"k7": {"job.json": json.dumps(outside).encode()}}),
+                    "a path outside the checkout"),
+        "not a list": (_returned(tmp_path / "odd", {"k8": {"job.json": b'{"command": "rehearse"}'}}),
+                       "command: expected a list of strings"),
+        "cut short": (cut, "not a whole tar.gz archive"),
+    }
+    for returned, said in cases.values():
+        assert keep_matrix_run.main([str(returned), str(into), "--call", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+        assert sorted(p.name for p in tmp_path.rglob("*") if p.parent == into) == ["host.json"]
+        assert not list(tmp_path.glob(".round20-*"))  # the staging folder is gone too
+    assert keep_matrix_run.main([str(cut), str(into / "host.json"), "--call", "1"]) == 2
+    assert "not a folder" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 Read from the source (every module's AST, imports inside functions and ``TYPE_CHECKING`` blocks included), so
 nothing is imported. Bottom to top:
 
-- base: the package root, ``errors``, ``inputs`` (bounded file reading), ``units``;  ``data/`` and ``models/data/`` hold package data only;
+- base: the package root, ``errors``, ``inputs`` (bounded file reading), ``recorded`` (recorded runs' logs, plain or
+  gzipped), ``units``;  ``data/`` and ``models/data/`` hold package data only;
 - ``models/``: model inventories from config.json;
 - ``planning/``: hardware, engine settings, KV cache, memory, optimisations, placement, the planner, its report,
   the one translation to vLLM -- never ray, torch, vllm, yaml or pynvml;
@@ -29,7 +30,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PKG = "kimi_k3_serve"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", (PKG, f"{PKG}.errors", f"{PKG}.inputs", f"{PKG}.units")),
+    ("base", (PKG, f"{PKG}.errors", f"{PKG}.inputs", f"{PKG}.recorded", f"{PKG}.units")),
     ("models", (f"{PKG}.models",)),
     ("planning", (f"{PKG}.planning",)),
     ("cluster", (f"{PKG}.cluster", f"{PKG}.checkpoint")),

@@ -77,7 +77,35 @@ def test_machine_paths_are_found_and_rewritten_inside_gzipped_logs(tmp_path) -> 
     assert stored.read_bytes()[:2] == b"\x1f\x8b"  # still gzip
 
 
-def test_every_recorded_log_is_stored_gzipped() -> None:
-    """Every call to a GPU host carries the tree: a run copied in is compressed (docs/gpu-runs.md)."""
-    plain = [str(p.relative_to(REPO_ROOT)) for p in compress_fixtures.plain_logs(REPO_ROOT / "tests" / "fixtures")]
+def test_every_recorded_log_is_stored_gzipped_and_whole() -> None:
+    """Every call to a GPU host carries the tree: a run copied in is compressed (docs/gpu-runs.md), and every stored
+    log reads to its end."""
+    fixtures = REPO_ROOT / "tests" / "fixtures"
+    plain = [str(p.relative_to(REPO_ROOT)) for p in compress_fixtures.plain_logs(fixtures)]
     assert not plain, f"run scripts/compress_fixtures.py on: {plain[:5]}"
+    stored = [p for p in fixtures.rglob("*.gz") if recorded.is_gzipped_log(p)]
+    assert len(stored) >= 872
+    for path in stored:
+        gzip.decompress(path.read_bytes())
+
+
+def test_a_log_already_stored_with_other_text_is_not_replaced(tmp_path, capsys) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text("first\n")
+    stored = compress_fixtures.compress(log)
+    log.write_text("first\n")  # the same text again: the plain copy goes
+    assert compress_fixtures.compress(log) == stored and not log.exists()
+    log.write_text("second\n")
+    assert compress_fixtures.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vllm.log.gz is there with other text" in err
+    assert recorded.read_text(stored) == "first\n" and log.read_text() == "second\n"
+
+
+def test_archives_are_neither_read_as_logs_nor_rewritten(tmp_path) -> None:
+    """A ``.tar.gz`` is not a gzipped log: the path check passes it by, and a glob names it as it is."""
+    archive = tmp_path / "jit-cache.tar.gz"
+    archive.write_bytes(recorded.gzipped(b"rootdir: /srv/checkout\n"))  # text inside, as a tar's names are
+    assert not recorded.is_gzipped_log(archive) and recorded.is_gzipped_log(tmp_path / "stderr.txt.gz")
+    assert list(normalize.rewrites(tmp_path, ("/srv/checkout",))) == []
+    assert recorded.glob(tmp_path, "*") == [archive]

@@ -21,9 +21,12 @@ import json
 import shutil
 import sys
 import tarfile
+import tempfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import compress_fixtures  # noqa: E402
@@ -48,23 +51,51 @@ def _jobs(archive: Path) -> dict[str, dict[str, bytes]]:
                     raise KeepError(f"{archive.name}: member {member.name!r}: expected JOB/FILE, as matrix.py packs")
                 if parts[1] not in LEFT_OUT:
                     jobs.setdefault(parts[0], {})[parts[1]] = tar.extractfile(member).read()
-    except tarfile.TarError as error:
-        raise KeepError(f"{archive.name}: not a readable archive ({error})") from None
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as error:
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        raise KeepError(f"{archive.name}: not a whole tar.gz archive ({first_line})") from None
     return jobs
 
 
-def _files_read(job_json: bytes) -> list[str]:
-    """The relative paths a run's command named after ``--config`` or ``--model``."""
+def _files_read(job: str, job_json: bytes) -> list[str]:
+    """The paths inside the checkout that a run's command named after ``--config`` or ``--model``."""
     try:
         command = json.loads(job_json).get("command") or []
     except (ValueError, AttributeError):
-        raise KeepError("job.json: not the JSON object matrix.py writes (with its \"command\")") from None
-    return [command[i + 1] for i, flag in enumerate(command[:-1])
-            if flag in READ_FLAGS and not Path(command[i + 1]).is_absolute()]
+        raise KeepError(f"{job}/job.json: not the JSON object matrix.py writes (with its \"command\")") from None
+    if not isinstance(command, list) or not all(isinstance(word, str) for word in command):
+        raise KeepError(f"{job}/job.json: command: expected a list of strings, as matrix.py writes it")
+    named = [command[i + 1] for i, flag in enumerate(command[:-1]) if flag in READ_FLAGS]
+    outside = [path for path in named if ".." in PurePosixPath(path).parts]
+    if outside:
+        raise KeepError(f"{job}/job.json: {outside[0]!r}: a path outside the checkout; a run reads the checkout's")
+    return [path for path in named if not Path(path).is_absolute()]
+
+
+def _stage(returned: Path, stage: Path, jobs: dict[str, dict[str, bytes]], log: Path, log_name: str,
+           host_wanted: bool) -> None:
+    """Everything to keep, in ``stage``, normalized and compressed as the fixtures are stored."""
+    for name, files in jobs.items():
+        (stage / name).mkdir()
+        for file_name, data in files.items():
+            (stage / name / file_name).write_bytes(data)
+        for read in _files_read(name, files.get("job.json", b"{}")):
+            source, kept = ROOT / read, stage / "checkout" / read
+            if source.is_file() and not kept.exists():
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, kept)
+    shutil.copyfile(log, stage / log_name)
+    if host_wanted and (returned / "host.json").is_file():
+        shutil.copyfile(returned / "host.json", stage / "host.json")
+    normalize_fixture_paths.main([str(stage)])
+    compress_fixtures.main([str(stage)])
 
 
 def keep(returned: Path, into: Path, call: int) -> list[str]:
-    """Copy one call's results into ``into``; the jobs kept, by name."""
+    """Copy one call's results into ``into``; the jobs kept, by name. Nothing lands in ``into`` until all of it is
+    ready beside it: a failure leaves ``into`` as it was."""
+    if into.exists() and not into.is_dir():
+        raise KeepError(f"into: {into}: not a folder; name the date's fixture folder")
     archives = sorted(returned.glob("rehearse-*.tar.gz"))
     logs = sorted(returned.glob("matrix-*.log"))
     if len(archives) != 1 or len(logs) != 1:
@@ -77,21 +108,18 @@ def keep(returned: Path, into: Path, call: int) -> list[str]:
     log_name = f"{logs[0].stem}-call{call}.log"
     if (into / log_name).exists() or (into / (log_name + ".gz")).exists():
         raise KeepError(f"--call: {call}: {into / log_name} is kept already; name the call's own number")
-    into.mkdir(parents=True, exist_ok=True)
-    for name, files in jobs.items():
-        (into / name).mkdir()
-        for file_name, data in files.items():
-            (into / name / file_name).write_bytes(data)
-        for read in _files_read(files.get("job.json", b"{}")):
-            source, kept = ROOT / read, into / "checkout" / read
-            if source.is_file() and not kept.exists():
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source, kept)
-    shutil.copyfile(logs[0], into / log_name)
-    if (returned / "host.json").is_file() and not (into / "host.json").exists():
-        shutil.copyfile(returned / "host.json", into / "host.json")
-    normalize_fixture_paths.main([str(into)])
-    compress_fixtures.main([str(into)])
+    into.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{into.name}-", dir=into.parent))
+    try:
+        _stage(returned, stage, jobs, logs[0], log_name, host_wanted=not (into / "host.json").exists())
+        into.mkdir(exist_ok=True)
+        for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+            target = into / path.relative_to(stage)
+            if not target.exists():  # checkout/ files a run of an earlier call kept stay as they were
+                target.parent.mkdir(parents=True, exist_ok=True)
+                path.replace(target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return sorted(jobs)
 
 

@@ -10,12 +10,21 @@
 set -euo pipefail
 bundle="${1:?bundle folder}"
 tree_bytes="$(cd "$(git rev-parse --show-toplevel)" && git ls-files -z -co --exclude-standard \
-  | tar -cf - --null -T - --ignore-failed-read 2>/dev/null | wc -c)"
+  | tar -cf - --null --no-recursion -T - --ignore-failed-read 2>/dev/null | wc -c)"
 size="${2:-$(( (64 * 1048576 - tree_bytes) / 1048576 - 2 ))M}"
 echo "working tree: $(( tree_bytes / 1048576 )) MiB as tar; parts of $size"
+if ! [[ "$size" =~ ^[1-9][0-9]*[KM]?$ ]]; then
+  echo "error: part size: $size: expected a positive size such as 40M (the tree leaves no room beside it?)" >&2
+  exit 2
+fi
+ls "$bundle"/part.* > /dev/null || exit 2
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 cat "$bundle"/part.* > "$tmp/bundle.tar"
+mkdir "$tmp/parts"
+split -b "$size" -d -a 2 "$tmp/bundle.tar" "$tmp/parts/part."
+(cd "$tmp/parts" && sha256sum part.* > MANIFEST.sha256)
+# The old parts go only once the new ones are whole.
 rm "$bundle"/part.*
-split -b "$size" -d -a 2 "$tmp/bundle.tar" "$bundle/part."
-(cd "$bundle" && sha256sum part.* > MANIFEST.sha256)
+mv "$tmp/parts"/part.* "$bundle/"
+mv "$tmp/parts/MANIFEST.sha256" "$bundle/MANIFEST.sha256"
 echo "$(ls "$bundle"/part.* | wc -l) parts of at most $size in $bundle"
