@@ -48,10 +48,10 @@ RAY_LOGICAL_CPUS = 8
 APP_READY_TIMEOUT_S = 600
 
 
-def load_script(name: str):
-    """``scripts/<name>.py`` as a module (the scripts are not a package). Registered in ``sys.modules`` first:
-    dataclasses look their module up while a class is made."""
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+def load_script(name: str, folder: str = "scripts"):
+    """``scripts/<name>.py`` (or ``<folder>/<name>.py``) as a module (the scripts are not a package). Registered in
+    ``sys.modules`` first: dataclasses look their module up while a class is made."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

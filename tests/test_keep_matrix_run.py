@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
-import sys
 import tarfile
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, load_script
 from kimi_k3_serve import recorded
 
-
-def _load():
-    path = REPO_ROOT / "scripts" / "gpu" / "keep_matrix_run.py"
-    spec = importlib.util.spec_from_file_location("keep_matrix_run", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["keep_matrix_run"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-keep_matrix_run = _load()
+keep_matrix_run = load_script("keep_matrix_run", folder="scripts/gpu")
 
 JOB = {"command": ["kimi-k3-serve", "rehearse", "--config", "deploy/config.yaml", "--rank-of", "1", "--json"],
        "role": "validation", "seconds": 301.5}
@@ -69,6 +57,9 @@ def test_a_recorded_run_is_never_overwritten(tmp_path, capsys) -> None:
     assert keep_matrix_run.main([str(returned), str(into), "--call", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already holds k7-tp1-b3072-s64-dspark" in err
+    other = _returned(tmp_path / "out2", {"k8-tp1-b4096-s64-dspark": {"vllm.log": b"second\n"}})
+    assert keep_matrix_run.main([str(other), str(into), "--call", "1"]) == 2  # call 1's log is kept, gzipped
+    assert "--call: 1:" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in into.rglob("*") if p.is_file()} == kept
 
 

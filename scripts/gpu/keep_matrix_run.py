@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import compress_fixtures  # noqa: E402
 import normalize_fixture_paths  # noqa: E402
+from kimi_k3_serve import recorded  # noqa: E402
 
 LEFT_OUT = {"stdout.json"}
 READ_FLAGS = ("--config", "--model")
@@ -106,7 +107,7 @@ def keep(returned: Path, into: Path, call: int) -> list[str]:
     if present:
         raise KeepError(f"{into}: already holds {', '.join(present)}; a recorded run is never overwritten")
     log_name = f"{logs[0].stem}-call{call}.log"
-    if (into / log_name).exists() or (into / (log_name + ".gz")).exists():
+    if recorded.exists(into / log_name):
         raise KeepError(f"--call: {call}: {into / log_name} is kept already; name the call's own number")
     into.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{into.name}-", dir=into.parent))
