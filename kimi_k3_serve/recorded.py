@@ -24,13 +24,19 @@ def is_gzipped_log(path: str | os.PathLike) -> bool:
     return name.endswith(GZIP_SUFFIX) and Path(name[:-len(GZIP_SUFFIX)]).suffix in LOG_SUFFIXES
 
 
+def gzipped_path(path: str | os.PathLike) -> Path:
+    """Where ``path`` is stored gzipped: ``vllm.log`` -> ``vllm.log.gz``."""
+    path = Path(path)
+    return path.with_name(path.name + GZIP_SUFFIX)
+
+
 def stored_as(path: str | os.PathLike) -> Path:
     """The file that holds ``path``'s text: ``path`` itself, else ``path.gz``. When neither exists, ``path``, so a
     missing file is reported under the name the run wrote."""
     path = Path(path)
     if path.exists():
         return path
-    compressed = path.with_name(path.name + GZIP_SUFFIX)
+    compressed = gzipped_path(path)
     return compressed if compressed.exists() else path
 
 

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kimi_k3_serve import recorded  # noqa: E402
+from kimi_k3_serve.units import MiB  # noqa: E402
 
 
 class StoredDiffers(Exception):
@@ -34,7 +35,7 @@ def plain_logs(folder: Path) -> list[Path]:
 def compress(path: Path) -> Path:
     """``path`` stored as ``path.gz``, the plain file removed. Where ``path.gz`` is there already, the plain file
     goes only if it holds the same text."""
-    target = path.with_name(path.name + recorded.GZIP_SUFFIX)
+    target = recorded.gzipped_path(path)
     data = path.read_bytes()
     if target.exists():
         if gzip.decompress(target.read_bytes()) != data:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except StoredDiffers as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"compressed {before / 2**20:.2f} MiB of logs to {after / 2**20:.2f} MiB")
+    print(f"compressed {before / MiB:.2f} MiB of logs to {after / MiB:.2f} MiB")
     return 0
 
 
