@@ -11,7 +11,12 @@ it is > ``kSmallSize``, 1 MiB). Smaller requests share 2 / 20 MiB segments whose
 512-byte rounding is left out (under 512 bytes a tensor).
 
 Verified by replaying Kimi-K3 rank slices' allocations on an H200 (2026-12-02): 49-layer TP8 rank slice
-103.877 GiB of tensors + 280.4 MiB of rounding = 104.151 GiB against vLLM's 104.15 GiB. Pure Python.
+103.877 GiB of tensors + 280.4 MiB of rounding = 104.151 GiB against vLLM's 104.15 GiB.
+
+The remainder split off a 10-20 MiB request's block is free but stays reserved: ``empty_cache`` returns only whole
+segments, and the segment holds the live tensor. "Model loading took" leaves it out (it is not allocated), but vLLM's
+profile counts it: its "consumed memory" is the drop in free device memory (utils/mem_utils.py ``memory_profiling``).
+Pure Python.
 """
 
 from __future__ import annotations
@@ -36,3 +41,14 @@ def allocator_rounding_bytes(nbytes: int) -> int:
     if nbytes >= LOAD_MAX_SPLIT:
         return tail
     return tail if tail <= SPLIT_MIN_REMAINDER else 0
+
+
+def allocator_slack_bytes(nbytes: int) -> int:
+    """Bytes one ``nbytes`` tensor allocated while vLLM loads the model leaves free but reserved in its own segment:
+    the remainder split off the block of a 10-20 MiB request, when it is larger than 1 MiB (the rest of
+    ``allocator_rounding_bytes``'s rule). Kimi-K3's MoE router gate (896 x 7168 bf16, 12.25 MiB in a 14 MiB
+    segment) leaves 1.75 MiB in every MoE layer."""
+    if not ROUNDED_FROM <= nbytes < LOAD_MAX_SPLIT:
+        return 0
+    tail = round_up(nbytes, LARGE_ROUNDING) - nbytes
+    return tail if tail > SPLIT_MIN_REMAINDER else 0

@@ -17,7 +17,7 @@ import math
 import weakref
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.kvcache import (
@@ -30,7 +30,7 @@ from kimi_k3_serve.planning.kvcache import (
     group_layers,
     hybrid_block_size,
 )
-from kimi_k3_serve.planning.allocator import allocator_rounding_bytes
+from kimi_k3_serve.planning.allocator import allocator_rounding_bytes, allocator_slack_bytes
 from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
 from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
@@ -40,12 +40,13 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(369.41 * MiB)
+NON_TORCH_TP1 = int(325.04 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.39 GiB, fitted with
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.32 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
-scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-03; leave-one-out in docs/memory-accuracy.md; the
-llm-d v0.19 H100 sweep had 0.25 GiB).
+scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-05; leave-one-out in docs/memory-accuracy.md; the
+llm-d v0.19 H100 sweep had 0.25 GiB). 0.36 GiB until the weights' allocator slack was counted apart
+(``ALLOCATOR_SLACK_BASIS``, twenty-fifth session): the constant had stood for the slack of the fit runs' depths.
 TP2 (one node): ``NON_TORCH_TP1`` too, looked up when a plan is made (an alias bound at import kept the fitter's
 probes from reaching the TP2 fit run). vLLM's own split of the TP2 rehearsal (2 x H200,
 tests/fixtures/gpu/2026-11-30-two-gpus/rehearse-tp2) has 32.72 - 30.03 = 2.69 GiB consumed besides weights, against
@@ -62,17 +63,17 @@ fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 
 with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens, stage 1's rank with
 DSpark at 16,384 among them; H200, 2026-11-30 to 2026-12-03;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 1.06
+SAMPLER_FP32_VOCAB_COPIES = 1.16
 """A fitted factor of fp32 ``max_num_seqs x vocab`` tensors held through the last stage's whole profile run, under
 either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds
 there: the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what
 grows with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
 ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py), 1.06 fp32 copies by the code's
-shapes; the fit says 1.06 (1.09 until the KDA layer's peak held DSpark's hidden states, twenty-first session; 0.92
-while DSpark's draft logits were added to the forward's peak; until 2026-12-02 it was added to the forward's peak as
-2.54 copies, which the KDA layer's own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width
-slices)."""
-DSPARK_PROFILE_LOGITS_COPIES = 1.66
+shapes; the fit says 1.16 (1.06 until the weights' allocator slack was counted apart, twenty-fifth session; 1.09
+until the KDA layer's peak held DSpark's hidden states, twenty-first session; 0.92 while DSpark's draft logits were
+added to the forward's peak; until 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA
+layer's own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
+DSPARK_PROFILE_LOGITS_COPIES = 1.69
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
@@ -81,12 +82,13 @@ positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_st
 ``propose`` runs after the target's forward has returned, so these logits peak beside what the forward leaves held
 (the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's (2026-12-03;
 1.18 copies while they were added on top, which put stage 1's rank at 16,384 tokens and 256 sequences 0.46 GiB over)."""
-DRAFT_HIDDEN_COPIES = {"dspark": 5.70, "default": 6}
+DRAFT_HIDDEN_COPIES = {"dspark": 5.51, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
 stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
-``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 4.61 while the draft logits were added on top of the
-forward's peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart,
-``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
+``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 5.70 until the weights' allocator slack was counted
+apart, 4.61 while the draft logits were added on top of the forward's peak), a TP8 rank at 16,384 tokens among them
+(2026-12-03). The default (EAGLE3, whose MLA step is taken apart, ``eagle3_mla_profile_bytes``) is the unfitted 6 of
+the first plan."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(9.95 * MiB), "default": 14 * MiB}
 """Per graph that vLLM's CUDA-graph estimate captures (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
@@ -505,6 +507,12 @@ def estimate_memory(
         after_kv += shared.unseen_bytes
         if shared.unseen_bytes:
             estimates.append(Estimate("workspace:shared_unseen", s, shared.unseen_bytes, 0, shared.describe()))
+        slack = _stage_allocator_bytes(model, layout, engine, s, start, end, ep_size, sp, allocator_slack_bytes)
+        if spec and s == layout.pp - 1:
+            slack += _draft_allocator_bytes(model, draft, spec, layout, engine.load_format, allocator_slack_bytes)
+        if slack:  # exact: the weights' shapes and the caching allocator's rules
+            ws += slack
+            estimates.append(Estimate("workspace:allocator_slack", s, slack, 0, ALLOCATOR_SLACK_BASIS))
         pp_receive = pp_receive_buffer_bytes(model, s, start, mnbt, aux_hidden_state_layers(draft))
         if pp_receive:  # exact: shapes from vLLM's code
             ws += pp_receive
@@ -660,6 +668,14 @@ def shared_workspace(model: ModelInventory, layout: Layout, engine: EngineSettin
             logits = triton_mla_logits_bytes(seqs, 1 + spec.num_speculative_tokens, heads, mla.kv_lora_rank,
                                              engine.max_model_len, cc)
     return SharedWorkspace(moe, logits, flashkda_bytes)
+
+
+ALLOCATOR_SLACK_BASIS = ("allocator slack: the free remainders that the weights' 10-20 MiB tensors leave in their own "
+                         "segments of PyTorch's caching allocator (planning/allocator.py allocator_slack_bytes); vLLM's "
+                         "profile counts them (consumed memory is the drop in free memory), \"Model loading took\" does "
+                         "not; Kimi-K3: the MoE router gate's 1.75 MiB per MoE layer, and 1.5 MiB more at a TP8 rank")
+"""Computed from the weights' shapes. The profile of TP8 rank slices grew with depth by what it predicts (H200: 23 to
+49 layers, 84.5 MiB predicted, 94 +- 10 MiB logged), before it was counted."""
 
 
 PP_RECEIVE_BASIS = ("pipeline receive buffer: hidden state + residual at max_num_batched_tokens, kept for the CUDA "
@@ -832,15 +848,7 @@ def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings
         for k, v in p.items():
             by_cat[k] = by_cat.get(k, 0) + v
     # The caching allocator's whole blocks that "Model loading took" counts, per tensor as sharded on the rank.
-    rounding = sum(_layer_rounding(model, layout.tp, ep_size, layout.ep, sp)[start:end])
-    if stage == 0:
-        rounding += _tensors_rounding(model, model.embedding, layout.tp, ep_size, layout.ep, sp)
-        if not engine.language_model_only and model.vision:
-            rounding += _tensors_rounding(model, model.vision, layout.tp, ep_size, layout.ep, sp)
-    if stage == layout.pp - 1:
-        tied = model.tie_word_embeddings and layout.pp == 1
-        rounding += _tensors_rounding(model, [t for t in model.head if not (tied and t.category == "lm_head")],
-                                      layout.tp, ep_size, layout.ep, sp)
+    rounding = _stage_allocator_bytes(model, layout, engine, stage, start, end, ep_size, sp, allocator_rounding_bytes)
     if rounding:
         by_cat["allocator_rounding"] = rounding
     result = (sum(by_cat.values()), MappingProxyType(by_cat))  # read-only: shared by every rank of the stage
@@ -848,21 +856,38 @@ def _stage_weights(model: ModelInventory, layout: Layout, engine: EngineSettings
     return result
 
 
-def _tensors_rounding(model: ModelInventory, tensors, tp: int, ep_size: int, ep: bool, sp: bool) -> int:
-    """``allocator_rounding_bytes`` over ``tensors`` as vLLM allocates them on one rank (planning/allocator.py).
+def _stage_allocator_bytes(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int,
+                           end: int, ep_size: int, sp: bool, rule: Callable[[int], int]) -> int:
+    """``rule`` (planning/allocator.py) summed over the tensors one rank of the stage allocates as vLLM loads it."""
+    total = sum(_layer_allocator_bytes(model, layout.tp, ep_size, layout.ep, sp, rule)[start:end])
+    if stage == 0:
+        total += _tensors_allocator_bytes(model, model.embedding, layout.tp, ep_size, layout.ep, sp, rule)
+        if not engine.language_model_only and model.vision:
+            total += _tensors_allocator_bytes(model, model.vision, layout.tp, ep_size, layout.ep, sp, rule)
+    if stage == layout.pp - 1:
+        tied = model.tie_word_embeddings and layout.pp == 1
+        total += _tensors_allocator_bytes(model, [t for t in model.head if not (tied and t.category == "lm_head")],
+                                          layout.tp, ep_size, layout.ep, sp, rule)
+    return total
+
+
+def _tensors_allocator_bytes(model: ModelInventory, tensors, tp: int, ep_size: int, ep: bool, sp: bool,
+                             rule: Callable[[int], int]) -> int:
+    """``rule`` (planning/allocator.py's rounding or slack) over ``tensors`` as vLLM allocates them on one rank.
 
     Applied to every tensor as loaded, whatever the MoE backend: on Hopper, Marlin's MXFP4 processing
     (quantization/utils/marlin_utils_fp4.py ``prepare_moe_mxfp4_layer_for_marlin``) rebuilds the expert scales with
     ``torch.cat`` as new tensors of the same bytes, so the same rule holds; Blackwell's backends are not measured."""
-    return sum(allocator_rounding_bytes(each) for each in model.allocations(tensors, tp, ep_size, ep, sp))
+    return sum(rule(each) for each in model.allocations(tensors, tp, ep_size, ep, sp))
 
 
-def _layer_rounding(model: ModelInventory, tp: int, ep_size: int, ep: bool, sp: bool) -> tuple[int, ...]:
-    """Per layer, the allocator's rounding of its tensors on one rank (memoised per TP/EP shape)."""
-    key = ("rounding", tp, ep_size, ep, sp)
+def _layer_allocator_bytes(model: ModelInventory, tp: int, ep_size: int, ep: bool, sp: bool,
+                           rule: Callable[[int], int]) -> tuple[int, ...]:
+    """Per layer, ``rule`` over its tensors on one rank (memoised per rule and TP/EP shape)."""
+    key = ("allocator", rule.__name__, tp, ep_size, ep, sp)
     cached = _memo(model).get(key)
     if cached is None:
-        cached = _memo(model)[key] = tuple(_tensors_rounding(model, layer.tensors, tp, ep_size, ep, sp)
+        cached = _memo(model)[key] = tuple(_tensors_allocator_bytes(model, layer.tensors, tp, ep_size, ep, sp, rule)
                                            for layer in model.layers)
     return cached
 
@@ -881,7 +906,6 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
     total = 0
     if layout.pp > 1 and spec.method in ("eagle", "eagle3", "dflash", "dspark"):
         total += sum(model.group_bytes("embedding", layout.tp, layout.tp * layout.dp, layout.ep).values())
-        total += _tensors_rounding(model, model.embedding, layout.tp, layout.tp * layout.dp, layout.ep, False)
     if draft is not None:
         dtp = spec.draft_tp or layout.tp
         key = ("draft_total", dtp, load_format)
@@ -890,13 +914,25 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
             own = sum(sum(d.values()) for d in draft.layer_bytes(dtp, dtp, False))
             extra = draft.group_bytes("draft_extra", dtp, dtp, False)
             own += sum(v for k, v in extra.items() if not (k == "draft_lm_head" and load_format == "dummy"))
-            # The allocator's rounding of the draft's own tensors (planning/allocator.py), as for the target's.
-            own += sum(_layer_rounding(draft, dtp, dtp, False, False))
-            own += _tensors_rounding(draft, [t for t in draft.draft_extra
-                                             if not (t.category == "draft_lm_head" and load_format == "dummy")],
-                                     dtp, dtp, False, False)
             _memo(draft)[key] = own
         total += own
+    # The allocator's rounding of these tensors (planning/allocator.py), as for the target's.
+    return total + _draft_allocator_bytes(model, draft, spec, layout, load_format, allocator_rounding_bytes)
+
+
+def _draft_allocator_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layout: Layout,
+                           load_format: str, rule: Callable[[int], int]) -> int:
+    """``rule`` (planning/allocator.py) over the tensors ``_draft_bytes`` counts on the last stage."""
+    total = 0
+    if layout.pp > 1 and spec.method in ("eagle", "eagle3", "dflash", "dspark"):
+        total += _tensors_allocator_bytes(model, model.embedding, layout.tp, layout.tp * layout.dp, layout.ep, False,
+                                          rule)
+    if draft is not None:
+        dtp = spec.draft_tp or layout.tp
+        total += sum(_layer_allocator_bytes(draft, dtp, dtp, False, False, rule))
+        total += _tensors_allocator_bytes(draft, [t for t in draft.draft_extra
+                                                  if not (t.category == "draft_lm_head" and load_format == "dummy")],
+                                          dtp, dtp, False, False, rule)
     return total
 
 
