@@ -37,16 +37,18 @@ from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisat
 from kimi_k3_serve.units import GiB, KiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
 from kimi_k3_serve.planning.bands import kv_band_bytes
+from kimi_k3_serve.planning.fused_allreduce import zero_residual
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(325.04 * MiB)
+NON_TORCH_TP1 = int(322.69 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
 """Post-snapshot memory the profile sees besides weights and activations. TP1: 0.32 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
 scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-05; leave-one-out in docs/memory-accuracy.md; the
-llm-d v0.19 H100 sweep had 0.25 GiB). 0.36 GiB until the weights' allocator slack was counted apart
-(``ALLOCATOR_SLACK_BASIS``, twenty-fifth session): the constant had stood for the slack of the fit runs' depths.
+llm-d v0.19 H100 sweep had 0.25 GiB). 0.36 GiB until the weights' allocator slack (``ALLOCATOR_SLACK_BASIS``) and,
+at TP2, the fused all-reduce's residuals (planning/fused_allreduce.py) were counted apart (twenty-fifth session): the
+constant had stood for the slack of the fit runs' depths.
 TP2 (one node): ``NON_TORCH_TP1`` too, looked up when a plan is made (an alias bound at import kept the fitter's
 probes from reaching the TP2 fit run). vLLM's own split of the TP2 rehearsal (2 x H200,
 tests/fixtures/gpu/2026-11-30-two-gpus/rehearse-tp2) has 32.72 - 30.03 = 2.69 GiB consumed besides weights, against
@@ -63,17 +65,17 @@ fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 
 with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens, stage 1's rank with
 DSpark at 16,384 among them; H200, 2026-11-30 to 2026-12-03;
 ``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 1.16
+SAMPLER_FP32_VOCAB_COPIES = 1.15
 """A fitted factor of fp32 ``max_num_seqs x vocab`` tensors held through the last stage's whole profile run, under
 either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds
 there: the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what
 grows with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
 ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py), 1.06 fp32 copies by the code's
-shapes; the fit says 1.16 (1.06 until the weights' allocator slack was counted apart, twenty-fifth session; 1.09
+shapes; the fit says 1.15 (1.06 until the weights' allocator slack was counted apart, twenty-fifth session; 1.09
 until the KDA layer's peak held DSpark's hidden states, twenty-first session; 0.92 while DSpark's draft logits were
 added to the forward's peak; until 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA
 layer's own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
-DSPARK_PROFILE_LOGITS_COPIES = 1.69
+DSPARK_PROFILE_LOGITS_COPIES = 1.72
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
@@ -82,12 +84,12 @@ positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_st
 ``propose`` runs after the target's forward has returned, so these logits peak beside what the forward leaves held
 (the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's (2026-12-03;
 1.18 copies while they were added on top, which put stage 1's rank at 16,384 tokens and 256 sequences 0.46 GiB over)."""
-DRAFT_HIDDEN_COPIES = {"dspark": 5.51, "default": 6}
+DRAFT_HIDDEN_COPIES = {"dspark": 5.22, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
 stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
-``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 5.70 until the weights' allocator slack was counted
-apart, 4.61 while the draft logits were added on top of the forward's peak), a TP8 rank at 16,384 tokens among them
-(2026-12-03). The default (EAGLE3, whose MLA step is taken apart, ``eagle3_mla_profile_bytes``) is the unfitted 6 of
+``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 5.70 until the weights' allocator slack and the TP2
+run's fused all-reduce residuals were counted apart, 4.61 while the draft logits were added on top of the forward's
+peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart, ``eagle3_mla_profile_bytes``) is the unfitted 6 of
 the first plan."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(9.95 * MiB), "default": 14 * MiB}
 """Per graph that vLLM's CUDA-graph estimate captures (``profile_cudagraph_memory``: the graphs captured into a
@@ -513,6 +515,14 @@ def estimate_memory(
         if slack:  # exact: the weights' shapes and the caching allocator's rules
             ws += slack
             estimates.append(Estimate("workspace:allocator_slack", s, slack, 0, ALLOCATOR_SLACK_BASIS))
+        residual = zero_residual(model, layout.tp, start, end, sp, cc)
+        if residual is not None:  # exact: shapes and the fusion's budget from vLLM's code
+            if residual.in_profile(mnbt):
+                ws += residual.total_bytes
+            else:
+                after_kv += residual.total_bytes
+            estimates.append(Estimate("workspace:fused_allreduce_residual", s, residual.total_bytes, 0,
+                                      residual.describe(mnbt)))
         pp_receive = pp_receive_buffer_bytes(model, s, start, mnbt, aux_hidden_state_layers(draft))
         if pp_receive:  # exact: shapes from vLLM's code
             ws += pp_receive
@@ -527,7 +537,7 @@ def estimate_memory(
         estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
                                   f"post-snapshot non-torch: {NON_TORCH_TP1 / GiB:.2f} GiB TP1 and TP2 (fitted, H200 "
-                                  "2026-11-30 to 2026-12-02), 2.1 GiB TP>2 (llm-d, H100)" + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
+                                  "2026-11-30 to 2026-12-05), 2.1 GiB TP>2 (llm-d, H100)" + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 
@@ -607,7 +617,8 @@ def estimate_memory(
             f"vLLM would OOM allocating the KV cache or in warmup on rank {warm.rank} by "
             f"{warm.warmup_shortfall_bytes / GiB:.2f} GiB: {warm.after_kv_bytes / GiB:.2f} GiB that vLLM's KV sizing does "
             f"not see (its shared workspace grown past the profile's: TRITON_MLA's decode logits for a DSpark draft "
-            f"before the KV cache, FlashKDA's prefill buffers in warmup) and only "
+            f"before the KV cache, FlashKDA's prefill buffers in warmup; at TP > 1 the fused all-reduce's residuals) "
+            f"and only "
             f"{max(warm.headroom_bytes, 0) / GiB:.2f} GiB is left outside the budget"
             + (f"; gpu_memory_utilization {safe_util} or lower leaves room" if safe_util else ""))
     # The rank that decides: the one furthest short, else the one whose pool sets the engine's block count.

@@ -158,6 +158,11 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
         delta = getattr(real, attr) - getattr(sliced, attr)
         if delta:
             terms.append(RankOnlyTerm(name, delta, False, source))
+    if real.after_kv_bytes != sliced.after_kv_bytes:
+        terms.append(RankOnlyTerm("after_kv", real.after_kv_bytes - sliced.after_kv_bytes, False,
+                                  "allocated after vLLM sizes the KV cache, so it takes headroom, not KV pool: at TP > 1 "
+                                  "FlashInfer's fused all-reduce keeps a zero residual per MoE layer (planning/"
+                                  "fused_allreduce.py, computed from vLLM's code)"))
     if outside_real != outside_sliced:
         terms.append(RankOnlyTerm("outside_budget", outside_real - outside_sliced, False,
                                   "NCCL communicators before vLLM's memory snapshot (about 1 GiB): they take headroom, "
@@ -165,7 +170,11 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
     return tuple(terms)
 
 
+OUTSIDE_THE_POOL = ("after_kv", "outside_budget")
+"""Rank-only terms that take headroom, not KV pool."""
+
+
 def real_rank_kv_bytes(measured_slice_kv: int, terms: tuple[RankOnlyTerm, ...]) -> int:
     """The real rank's KV pool as vLLM's slice measurement implies it: the slice's pool less what the real rank holds
     more inside the budget (terms outside the budget and uncounted ones left out)."""
-    return measured_slice_kv - sum(t.delta_bytes for t in terms if t.delta_bytes and t.name != "outside_budget")
+    return measured_slice_kv - sum(t.delta_bytes for t in terms if t.delta_bytes and t.name not in OUTSIDE_THE_POOL)
