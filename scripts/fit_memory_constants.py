@@ -10,10 +10,11 @@ constants, so a group is fitted by non-negative least squares (relative errors) 
   stage, ``draft_per_graph + draft_per_head x the draft's heads on the rank + draft_per_layer_head x the stage's
   layers x the target's heads on the rank`` per DSpark FULL graph (DSpark's own sizes, all captured), beside DSpark's
   capture workspace (the drafter's lane, from vLLM's shapes: not fitted). Fit runs: ``CUDA_GRAPH_FIT_RUNS``.
-- ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations and the
-  weights' allocator slack (both from the shapes), ``NON_TORCH_TP1`` on one GPU, the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32
-  ``max_num_seqs x vocab`` tensors and, with DSpark, ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the
-  dummy batch's speculative positions (fitted factors). Fit runs: ``PROFILE_FIT_RUNS``.
+- ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations, the
+  weights' allocator slack and, at TP2, the fused all-reduce's residuals (all from the shapes), ``NON_TORCH_TP1`` on
+  one GPU, the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32 ``max_num_seqs x vocab`` tensors and, with DSpark,
+  ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the dummy batch's speculative positions (fitted
+  factors). Fit runs: ``PROFILE_FIT_RUNS``.
 
 Printed per group: the constants, each fit run's residual, leave-one-out over the fit runs (the group refitted
 without that run, the run predicted), and the error on every validation run (which sets nothing).

@@ -89,8 +89,8 @@ DRAFT_HIDDEN_COPIES = {"dspark": 5.22, "default": 6}
 stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
 ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 5.70 until the weights' allocator slack and the TP2
 run's fused all-reduce residuals were counted apart, 4.61 while the draft logits were added on top of the forward's
-peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart, ``eagle3_mla_profile_bytes``) is the unfitted 6 of
-the first plan."""
+peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart,
+``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(9.95 * MiB), "default": 14 * MiB}
 """Per graph that vLLM's CUDA-graph estimate captures (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
@@ -512,17 +512,20 @@ def estimate_memory(
         slack = _stage_allocator_bytes(model, layout, engine, s, start, end, ep_size, sp, allocator_slack_bytes)
         if spec and s == layout.pp - 1:
             slack += _draft_allocator_bytes(model, draft, spec, layout, engine.load_format, allocator_slack_bytes)
-        if slack:  # exact: the weights' shapes and the caching allocator's rules
+        if slack:  # from the weights' shapes; at most this, should a later 1-1.75 MiB request reuse a remainder
             ws += slack
             estimates.append(Estimate("workspace:allocator_slack", s, slack, 0, ALLOCATOR_SLACK_BASIS))
-        residual = zero_residual(model, layout.tp, start, end, sp, cc)
-        if residual is not None:  # exact: shapes and the fusion's budget from vLLM's code
+        residual = zero_residual(model, layout, start, end, sp, cc)
+        if residual is not None:  # computed from vLLM's code: its shapes and the fusion's budget
             if residual.in_profile(mnbt):
                 ws += residual.total_bytes
-            else:
+            elif engine.enforce_eager:
                 after_kv += residual.total_bytes
-            estimates.append(Estimate("workspace:fused_allreduce_residual", s, residual.total_bytes, 0,
-                                      residual.describe(mnbt)))
+            else:  # inside vLLM's CUDA-graph estimate, which a TP1 fit run cannot have seen
+                cg += residual.total_bytes
+                cg_basis += f" + {residual.total_bytes / MiB:,.0f} MiB of FlashInfer's fused all-reduce residuals"
+            estimates.append(Estimate("fused_allreduce_residual", s, residual.total_bytes, 0,
+                                      residual.describe(mnbt, not engine.enforce_eager)))
         pp_receive = pp_receive_buffer_bytes(model, s, start, mnbt, aux_hidden_state_layers(draft))
         if pp_receive:  # exact: shapes from vLLM's code
             ws += pp_receive
@@ -537,7 +540,8 @@ def estimate_memory(
         estimates.append(Estimate("activation_bytes", s, act, act_margin, act_basis))
         estimates.append(Estimate("non_torch_bytes", s, non_torch, nt_margin,
                                   f"post-snapshot non-torch: {NON_TORCH_TP1 / GiB:.2f} GiB TP1 and TP2 (fitted, H200 "
-                                  "2026-11-30 to 2026-12-05), 2.1 GiB TP>2 (llm-d, H100)" + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
+                                  "2026-11-30 to 2026-12-05), 2.1 GiB TP>2 (llm-d, H100)"
+                                  + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 
@@ -617,8 +621,8 @@ def estimate_memory(
             f"vLLM would OOM allocating the KV cache or in warmup on rank {warm.rank} by "
             f"{warm.warmup_shortfall_bytes / GiB:.2f} GiB: {warm.after_kv_bytes / GiB:.2f} GiB that vLLM's KV sizing does "
             f"not see (its shared workspace grown past the profile's: TRITON_MLA's decode logits for a DSpark draft "
-            f"before the KV cache, FlashKDA's prefill buffers in warmup; at TP > 1 the fused all-reduce's residuals) "
-            f"and only "
+            f"before the KV cache, FlashKDA's prefill buffers in warmup; with enforce_eager at TP > 1, the fused "
+            f"all-reduce's residuals) and only "
             f"{max(warm.headroom_bytes, 0) / GiB:.2f} GiB is left outside the budget"
             + (f"; gpu_memory_utilization {safe_util} or lower leaves room" if safe_util else ""))
     # The rank that decides: the one furthest short, else the one whose pool sets the engine's block count.
@@ -681,10 +685,11 @@ def shared_workspace(model: ModelInventory, layout: Layout, engine: EngineSettin
     return SharedWorkspace(moe, logits, flashkda_bytes)
 
 
-ALLOCATOR_SLACK_BASIS = ("allocator slack: the free remainders that the weights' 10-20 MiB tensors leave in their own "
-                         "segments of PyTorch's caching allocator (planning/allocator.py allocator_slack_bytes); vLLM's "
-                         "profile counts them (consumed memory is the drop in free memory), \"Model loading took\" does "
-                         "not; Kimi-K3: the MoE router gate's 1.75 MiB per MoE layer, and 1.5 MiB more at a TP8 rank")
+ALLOCATOR_SLACK_BASIS = ("allocator slack: the free remainders that the weights' 10-20 MiB tensors leave in "
+                         "their own segments of PyTorch's caching allocator (planning/allocator.py "
+                         "allocator_slack_bytes); vLLM's profile counts them (consumed memory is the drop in free "
+                         "memory), \"Model loading took\" does not; Kimi-K3: the MoE router gate's 1.75 MiB per MoE "
+                         "layer, and 1.5 MiB more at a TP8 rank")
 """Computed from the weights' shapes. The profile of TP8 rank slices grew with depth by what it predicts (H200: 23 to
 49 layers, 84.5 MiB predicted, 94 +- 10 MiB logged), before it was counted."""
 
@@ -895,7 +900,7 @@ def _tensors_allocator_bytes(model: ModelInventory, tensors, tp: int, ep_size: i
 def _layer_allocator_bytes(model: ModelInventory, tp: int, ep_size: int, ep: bool, sp: bool,
                            rule: Callable[[int], int]) -> tuple[int, ...]:
     """Per layer, ``rule`` over its tensors on one rank (memoised per rule and TP/EP shape)."""
-    key = ("allocator", rule.__name__, tp, ep_size, ep, sp)
+    key = ("allocator", rule, tp, ep_size, ep, sp)
     cached = _memo(model).get(key)
     if cached is None:
         cached = _memo(model)[key] = tuple(_tensors_allocator_bytes(model, layer.tensors, tp, ep_size, ep, sp, rule)

@@ -151,7 +151,8 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
              "captures the sizes the draft's tokens per sequence set (max_num_seqs x (k+1) x 2), the stage model without "
              "the draft fewer" if whole_stage else
              "the plan's CUDA-graph estimate at the real TP (all-reduce nodes inside the graphs are not seen by a TP1 "
-             "slice)"),
+             "slice; FlashInfer's fused all-reduce keeps a zero residual per MoE layer, made in the estimate's eager "
+             "warmups: planning/fused_allreduce.py, computed from vLLM's code)"),
             ("workspaces", "workspace_bytes", "profiled workspaces, with the pipeline receive buffer of a stage after "
                                               "the first and its slots for the draft's hidden states captured before "
                                               "it (exact, from vLLM's make_empty_intermediate_tensors)")):
@@ -160,9 +161,9 @@ def rank_only_terms(real: Any, sliced: Any, *, outside_real: int, outside_sliced
             terms.append(RankOnlyTerm(name, delta, False, source))
     if real.after_kv_bytes != sliced.after_kv_bytes:
         terms.append(RankOnlyTerm("after_kv", real.after_kv_bytes - sliced.after_kv_bytes, False,
-                                  "allocated after vLLM sizes the KV cache, so it takes headroom, not KV pool: at TP > 1 "
-                                  "FlashInfer's fused all-reduce keeps a zero residual per MoE layer (planning/"
-                                  "fused_allreduce.py, computed from vLLM's code)"))
+                                  "the plan's memory allocated after vLLM sizes the KV cache, which takes headroom, "
+                                  "not KV pool (with enforce_eager at TP > 1, FlashInfer's fused all-reduce "
+                                  "residuals)"))
     if outside_real != outside_sliced:
         terms.append(RankOnlyTerm("outside_budget", outside_real - outside_sliced, False,
                                   "NCCL communicators before vLLM's memory snapshot (about 1 GiB): they take headroom, "
