@@ -920,7 +920,7 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
     if stage != layout.pp - 1:
         return 0
     total = 0
-    if layout.pp > 1 and spec.method in ("eagle", "eagle3", "dflash", "dspark"):
+    if _draft_builds_target_embedding(spec, layout):
         total += sum(model.group_bytes("embedding", layout.tp, layout.tp * layout.dp, layout.ep).values())
     if draft is not None:
         dtp = spec.draft_tp or layout.tp
@@ -936,11 +936,17 @@ def _draft_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layo
     return total + _draft_allocator_bytes(model, draft, spec, layout, load_format, allocator_rounding_bytes)
 
 
+def _draft_builds_target_embedding(spec, layout: Layout) -> bool:
+    """Under PP the last stage builds its own share of the target embedding for an EAGLE-family draft (vLLM
+    models/utils.py ``spec_decode_needs_target_embed``): ``_draft_bytes`` and ``_draft_allocator_bytes`` count it."""
+    return layout.pp > 1 and spec.method in ("eagle", "eagle3", "dflash", "dspark")
+
+
 def _draft_allocator_bytes(model: ModelInventory, draft: ModelInventory | None, spec, layout: Layout,
                            load_format: str, rule: Callable[[int], int]) -> int:
     """``rule`` (planning/allocator.py) over the tensors ``_draft_bytes`` counts on the last stage."""
     total = 0
-    if layout.pp > 1 and spec.method in ("eagle", "eagle3", "dflash", "dspark"):
+    if _draft_builds_target_embedding(spec, layout):
         total += _tensors_allocator_bytes(model, model.embedding, layout.tp, layout.tp * layout.dp, layout.ep, False,
                                           rule)
     if draft is not None:
