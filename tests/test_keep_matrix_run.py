@@ -15,8 +15,8 @@ JOB = {"command": ["kimi-k3-serve", "rehearse", "--config", "deploy/config.yaml"
        "role": "validation", "seconds": 301.5}
 
 
-def _returned(folder, jobs: dict[str, dict[str, bytes]]):
-    """A call's $OUT as matrix.py and run_all.sh leave it."""
+def _returned(folder, jobs: dict[str, dict[str, bytes]], started: list[str] | None = None):
+    """A call's $OUT as matrix.py and run_all.sh leave it; its log says it started ``started`` (every job)."""
     folder.mkdir()
     with tarfile.open(folder / "rehearse-ranks-round17.tar.gz", "w:gz") as tar:
         for job, files in jobs.items():
@@ -24,7 +24,9 @@ def _returned(folder, jobs: dict[str, dict[str, bytes]]):
                 info = tarfile.TarInfo(f"{job}/{name}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    (folder / "matrix-ranks.log").write_text("r44-s1-dspark-b8192-s35: exit 0 in 301 s\n")
+    log = "".join(f"{job}: started on GPU [0] at 0 s\n{job}: exit 0 after 301 s\n"
+                  for job in (jobs if started is None else started))
+    (folder / "matrix-ranks.log").write_text(log)
     (folder / "host.json").write_text('{"torch": "2.13.0+cu130"}')
     return folder
 
@@ -40,7 +42,7 @@ def test_a_call_is_kept_as_the_replay_reads_it(tmp_path, capsys) -> None:
     assert sorted(p.name for p in run.iterdir()) == \
         ["job.json", "result.json", "spec.json", "stderr.txt.gz", "vllm.log.gz"]  # stdout.json left out
     assert recorded.read_text(run / "vllm.log") == "INFO rootdir: .\nINFO GPU KV cache size: 539,354 tokens\n"
-    assert recorded.read_text(into / "matrix-ranks-call2.log").startswith("r44-s1-dspark-b8192-s35: exit 0")
+    assert recorded.read_text(into / "matrix-ranks-call2.log").startswith("r44-s1-dspark-b8192-s35: started")
     assert (into / "host.json").read_text() == '{"torch": "2.13.0+cu130"}'
     # The deploy config the run read, as the call carried it: the replay runs the rank with it.
     assert (into / "checkout" / "deploy" / "config.yaml").read_bytes() == \
@@ -61,6 +63,25 @@ def test_a_recorded_run_is_never_overwritten(tmp_path, capsys) -> None:
     assert keep_matrix_run.main([str(other), str(into), "--call", "1"]) == 2  # call 1's log is kept, gzipped
     assert "--call: 1:" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in into.rglob("*") if p.is_file()} == kept
+
+
+def test_a_held_hosts_earlier_call_is_left_as_kept(tmp_path, capsys) -> None:
+    # One host held across two calls: the second call's archive packs the first call's job folder again.
+    first = {"r44-s1-dspark-b8192-s35": {"vllm.log": b"first call\n", "job.json": json.dumps(JOB).encode()}}
+    into = tmp_path / "round20"
+    assert keep_matrix_run.main([str(_returned(tmp_path / "out1", first)), str(into), "--call", "1"]) == 0
+    kept = recorded.read_text(into / "r44-s1-dspark-b8192-s35" / "vllm.log")
+    second = dict(first, **{"k7-tp1-b3072-s64-dspark": {"vllm.log": b"second call\n"}})
+    returned = _returned(tmp_path / "out2", second, started=["k7-tp1-b3072-s64-dspark"])
+    assert keep_matrix_run.main([str(returned), str(into), "--call", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "kept 1 run(s) in" in out and out.rstrip().endswith("holds: r44-s1-dspark-b8192-s35")
+    assert recorded.read_text(into / "k7-tp1-b3072-s64-dspark" / "vllm.log") == "second call\n"
+    assert recorded.read_text(into / "r44-s1-dspark-b8192-s35" / "vllm.log") == kept
+    # A job the call's log says it started again is still refused when kept already.
+    again = _returned(tmp_path / "out3", second)
+    assert keep_matrix_run.main([str(again), str(into), "--call", "3"]) == 2
+    assert "already holds k7-tp1-b3072-s64-dspark, r44-s1-dspark-b8192-s35" in capsys.readouterr().err
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:

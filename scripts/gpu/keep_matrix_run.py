@@ -11,13 +11,16 @@ job's folder), ``matrix-<phase>.log`` and ``host.json``. Into the fixture folder
   tree has it (what the call carried, so keep a run before editing a config): the replay reads the config a run ran
   with, not a later one (scripts/memory_accuracy.py).
 Then the checkout's paths are taken out of the logs (normalize_fixture_paths.py), and the logs are gzipped
-(compress_fixtures.py). A job folder that is already there is refused, so nothing recorded is overwritten.
+(compress_fixtures.py). A job folder that is already there is refused, so nothing recorded is overwritten, unless
+this call's log does not say it started the job: a host held across calls packs every call's job folders again, and an
+earlier call's job, kept already, is left as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tarfile
@@ -35,6 +38,8 @@ from kimi_k3_serve import recorded  # noqa: E402
 
 LEFT_OUT = {"stdout.json"}
 READ_FLAGS = ("--config", "--model")
+STARTED = re.compile(r"^(\S+): started on GPU", re.MULTILINE)
+"""matrix.py's line for each job a call starts."""
 
 
 class KeepError(Exception):
@@ -92,9 +97,9 @@ def _stage(returned: Path, stage: Path, jobs: dict[str, dict[str, bytes]], log: 
     compress_fixtures.main([str(stage)])
 
 
-def keep(returned: Path, into: Path, call: int) -> list[str]:
-    """Copy one call's results into ``into``; the jobs kept, by name. Nothing lands in ``into`` until all of it is
-    ready beside it: a failure leaves ``into`` as it was."""
+def keep(returned: Path, into: Path, call: int) -> tuple[list[str], list[str]]:
+    """Copy one call's results into ``into``; the jobs kept and the earlier calls' jobs left, by name. Nothing lands
+    in ``into`` until all of it is ready beside it: a failure leaves ``into`` as it was."""
     if into.exists() and not into.is_dir():
         raise KeepError(f"into: {into}: not a folder; name the date's fixture folder")
     archives = sorted(returned.glob("rehearse-*.tar.gz"))
@@ -103,6 +108,9 @@ def keep(returned: Path, into: Path, call: int) -> list[str]:
         raise KeepError(f"{returned}: expected one rehearse-<set>.tar.gz and one matrix-<phase>.log, found "
                         f"{[p.name for p in archives + logs] or 'neither'}")
     jobs = _jobs(archives[0])
+    started = set(STARTED.findall(logs[0].read_text(errors="replace")))
+    earlier = sorted(name for name in jobs if name not in started and (into / name).exists())
+    jobs = {name: files for name, files in jobs.items() if name not in earlier}
     present = sorted(name for name in jobs if (into / name).exists())
     if present:
         raise KeepError(f"{into}: already holds {', '.join(present)}; a recorded run is never overwritten")
@@ -121,7 +129,7 @@ def keep(returned: Path, into: Path, call: int) -> list[str]:
                 path.replace(target)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return sorted(jobs)
+    return sorted(jobs), earlier
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             raise KeepError(f"returned: {args.returned}: not a folder; name the folder the call's $OUT came back to")
         if args.call < 1:
             raise KeepError(f"--call: {args.call}: the call's number in the session, 1 or more")
-        kept = keep(args.returned, args.into, args.call)
+        kept, earlier = keep(args.returned, args.into, args.call)
     except KeepError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"kept {len(kept)} run(s) in {args.into}: {', '.join(kept)}")
+    if earlier:
+        print(f"left {len(earlier)} run(s) an earlier call started and {args.into} holds: {', '.join(earlier)}")
     return 0
 
 
