@@ -88,7 +88,11 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "buffers the most, then the projections' outputs and KDA's chunk state: the eager warm-up's "
                    "buffers the allocator still caches), and joined the fit: the worst Kimi-K3 errors "
                    "b200-r43-s1-dspark 1.69 / 1.81 and r44-s1-dspark-l131072-s20 1.98 / 2.10 (-0.12), "
-                   "k8-tp1-b4096-s64-dspark 3.60 / 3.63 (-0.03); the band stays")
+                   "k8-tp1-b4096-s64-dspark 3.60 / 3.63 (-0.03). Round 20's validation runs (twenty-seventh "
+                   "session), scored before any constant saw them: k6-tp1-b4096-s96-dspark-u090 3.70 / 3.70 and "
+                   "k7-tp1-b3072-s64-dspark 3.54 / 3.54 (+0.00), stage 1's rank at 35 sequences "
+                   "r44-s1-dspark-b8192-s35 2.07 / 2.22 (-0.15), the worst now, 0.03 GiB inside the band; "
+                   "the band stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 
