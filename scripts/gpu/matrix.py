@@ -331,7 +331,8 @@ SETS: dict[str, list[Job]] = {
         kimi("k6-tp1-b4096-s128-dspark", 6, tokens=4096, seqs=128, role="fit", expected_s=170),
         kimi("k8-tp1-b4096-s32-dspark", 8, tokens=4096, seqs=32, role="fit", expected_s=170),
         rank("r44-s1-dspark-b8192-s35", 1, role="validation", tokens=8192, seqs=35, expected_s=300),
-        rank("r49-s0-b8192-s27", 0, role="validation", tokens=8192, seqs=27, expected_s=300),
+        # 450 s: its 44-layer sibling took 443 s in round 20 (about 2 minutes of first-start kernel warm-up).
+        rank("r49-s0-b8192-s27", 0, role="validation", tokens=8192, seqs=27, expected_s=450),
         kimi("k6-tp1-b4096-s96-dspark-u090", 6, tokens=4096, seqs=96, util=0.90, role="validation", expected_s=170),
         kimi("k7-tp1-b3072-s64-dspark", 7, tokens=3072, seqs=64, role="validation", expected_s=170),
     ],
