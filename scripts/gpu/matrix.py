@@ -336,6 +336,20 @@ SETS: dict[str, list[Job]] = {
         kimi("k6-tp1-b4096-s96-dspark-u090", 6, tokens=4096, seqs=96, util=0.90, role="validation", expected_s=170),
         kimi("k7-tp1-b3072-s64-dspark", 7, tokens=3072, seqs=64, role="validation", expected_s=170),
     ],
+    # Roles fixed 2026-12-05 (twenty-seventh session), before these run. The CUDA-graph estimate of stage 1's TP8 rank
+    # with DSpark is the plan's largest unsafe miss between 15 and 35 sequences (-0.07 to -0.15 GiB, validation runs;
+    # r44-s1-dspark-b8192-s35 the worst), and within +0.03 GiB from 64 on. Take away DSpark's capture lane, which
+    # the plan has to the 2 MiB block, and vLLM's estimate is 1.04, 1.11, 1.86, 2.07 and 2.13 GiB at 15, 16, 35, 64
+    # and 128 or more sequences: it grows with the FULL and DSpark graphs' count and tokens, and not as the per-graph
+    # terms charge it. The fit runs sample that range at the deploy config's limits; the validation runs are new
+    # shapes inside it, scored by the model shipped after the fit runs are read and before these are opened. Each is
+    # one call of its own on a fresh host (r44-s1-dspark-b8192-s35 took 443 s).
+    "ranks-round18": [
+        rank("r44-s1-dspark-b8192-s24", 1, role="fit", tokens=8192, seqs=24, expected_s=450),
+        rank("r44-s1-dspark-b8192-s48", 1, role="fit", tokens=8192, seqs=48, expected_s=450),
+        rank("r44-s1-dspark-b4096-s28-u090", 1, role="validation", tokens=4096, seqs=28, util=0.90, expected_s=450),
+        rank("r44-s1-dspark-b8192-s42", 1, role="validation", tokens=8192, seqs=42, expected_s=450),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
