@@ -343,12 +343,17 @@ SETS: dict[str, list[Job]] = {
     # and 128 or more sequences: it grows with the FULL and DSpark graphs' count and tokens, and not as the per-graph
     # terms charge it. The fit runs sample that range at the deploy config's limits; the validation runs are new
     # shapes inside it, scored by the model shipped after the fit runs are read and before these are opened. Each is
-    # one call of its own on a fresh host (r44-s1-dspark-b8192-s35 took 443 s).
+    # one call of its own on a fresh host (r44-s1-dspark-b8192-s35 took 443 s). The 23-layer last stage of a PP4
+    # layout at 35 sequences (a fit run, added the same session, before any of the set ran) says whether the step
+    # grows with depth: at 15 or 16 sequences the plan is within 0.01 GiB there, 0.09 GiB under at 44 layers. The
+    # 31-layer last stage of a PP3 layout at 40 sequences scores the depth the fit runs leave out.
     "ranks-round18": [
+        rank("r23-s3-pp4-dspark-b8192-s35", 3, role="fit", pp=4, tokens=8192, seqs=35, expected_s=300),
         rank("r44-s1-dspark-b8192-s24", 1, role="fit", tokens=8192, seqs=24, expected_s=450),
         rank("r44-s1-dspark-b8192-s48", 1, role="fit", tokens=8192, seqs=48, expected_s=450),
         rank("r44-s1-dspark-b4096-s28-u090", 1, role="validation", tokens=4096, seqs=28, util=0.90, expected_s=450),
         rank("r44-s1-dspark-b8192-s42", 1, role="validation", tokens=8192, seqs=42, expected_s=450),
+        rank("r31-s2-pp3-dspark-b8192-s40", 2, role="validation", pp=3, tokens=8192, seqs=40, expected_s=300),
     ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
