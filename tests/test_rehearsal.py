@@ -325,8 +325,9 @@ def test_the_mla_eagle3_draft_meets_vllm_at_full_width_and_on_a_tp8_rank(runs) -
         assert abs(accuracy.RunAccuracy.error(r.weights)) <= 0.001, (r.name, r.weights)
         assert -0.07 <= accuracy.RunAccuracy.error(r.profile) <= 0.1, (r.name, r.profile)  # over: the safe side
         # Over (the safe side) by 20 % on both since the FULL graphs are charged as vLLM samples them (twenty-second
-        # session): the drafter's graphs, captured in full, are charged the target's per-PIECEWISE-graph cost each.
-        assert -0.15 <= accuracy.RunAccuracy.error(r.cuda_graph) <= 0.21, (r.name, r.cuda_graph)
+        # session): the drafter's graphs, captured in full, are charged the target's per-PIECEWISE-graph cost each;
+        # 25 % and 27 % since ranks-round18's fit runs raised that cost (9.95 -> 10.79 MiB, twenty-eighth session).
+        assert -0.15 <= accuracy.RunAccuracy.error(r.cuda_graph) <= 0.30, (r.name, r.cuda_graph)
         # The pool over vLLM's at most 1 % (the unsafe side), under it within issue 23's 3 %: r44-s1-eagle3-mla is
         # -1.2 % since the allocator's rounding put its weights exact (its profile and graphs are over).
         assert -0.03 <= accuracy.RunAccuracy.error(r.kv) <= 0.01, (r.name, r.kv)
