@@ -91,8 +91,12 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "k8-tp1-b4096-s64-dspark 3.60 / 3.63 (-0.03). Round 20's validation runs (twenty-seventh "
                    "session), scored before any constant saw them: k6-tp1-b4096-s96-dspark-u090 3.70 / 3.70 and "
                    "k7-tp1-b3072-s64-dspark 3.54 / 3.54 (+0.00), stage 1's rank at 35 sequences "
-                   "r44-s1-dspark-b8192-s35 2.07 / 2.22 (-0.15), the worst now, 0.03 GiB inside the band; "
-                   "the band stays")
+                   "r44-s1-dspark-b8192-s35 2.07 / 2.22 (-0.15), 0.03 GiB inside the band. Refitted on "
+                   "ranks-round18's fit runs (twenty-eighth session: stage 1's rank at 24 and 48 sequences, the "
+                   "23-layer last stage at 35; the structure unchanged): that run 2.12 / 2.22 (-0.10), and "
+                   "round 22's validation runs, scored after the refit was committed: r44-s1-dspark-b4096-s28-u090 "
+                   "1.81 / 1.90 (-0.09), r44-s1-dspark-b8192-s42 2.29 / 2.33 (-0.04), r31-s2-pp3-dspark-b8192-s40 "
+                   "2.10 / 2.12 (-0.02); the worst Kimi-K3 error now -0.10, Llama-3.1-8B's -0.14; the band stays")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
 
