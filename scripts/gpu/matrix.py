@@ -357,13 +357,13 @@ SETS: dict[str, list[Job]] = {
     ],
     # Roles fixed 2026-12-05 (twenty-eighth session), before these run, after ranks-round18 was read and the
     # CUDA-graph constants refitted on its fit runs (structure unchanged). What is left unsafe: stage 1's rank with
-    # DSpark between 24 and 35 sequences, -0.09 and -0.10 GiB (r44-s1-dspark-b4096-s28-u090, r44-s1-dspark-b8192-s35),
-    # and within 0.05 GiB at 42 and 48; the 23- and 31-layer last stages at 35 and 40 sequences within 0.04 GiB. The
+    # DSpark at 28 and 35 sequences, -0.09 and -0.10 GiB (r44-s1-dspark-b4096-s28-u090, r44-s1-dspark-b8192-s35), and
+    # within 0.05 GiB at 15 to 24, 42 and 48; the 23- and 31-layer last stages at 35 and 40 within 0.04 GiB. The
     # fit runs take that range at two more depths (11 and 31 layers), to say whether the step is per layer; the
     # validation runs are new shapes inside it, and a full-width 8-layer slice at the edge of fitting (a KV pool under
     # 1 GiB, where the plan still misses 3 %: k8-tp1-b4096-s64-dspark +7.6 %), scored by the model shipped after the
-    # fit runs are read and before these are opened. A 44-layer run took 163 to 254 s on a warm host in round 22
-    # (328 s with the host's first setup).
+    # fit runs are read and before these are opened. In round 22 a 44-layer run's call took 163 to 255 s, and the
+    # 49-layer one's 328 s on the fresh host (its first setup included).
     "ranks-round19": [
         rank("r31-s2-pp3-dspark-b8192-s24", 2, role="fit", pp=3, tokens=8192, seqs=24, expected_s=300),
         rank("r11-s7-pp8-dspark-b8192-s35", 7, role="fit", pp=8, tokens=8192, seqs=35, expected_s=240),
