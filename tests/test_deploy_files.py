@@ -168,6 +168,50 @@ def test_gb300_layout_is_the_gemm_rs_sequence_parallel_one(replica_plans):
     assert verdict.env_vars["VLLM_ENABLE_GEMM_RS"] == "1"
 
 
+# What a deploy config's comments claim the plan says, each with the plan's quantity it must equal. The plan moves
+# whenever a constant is refitted; a number left behind would tell a user a capacity the planner no longer proves.
+CLAIMS = (
+    (re.compile(r"([\d.]+) requests of ([\d,]+) tokens at once at the point estimates"), "point"),
+    (re.compile(r"([\d.]+) requests of ([\d,]+) tokens(?! at once at the point)"), "banded"),
+    (re.compile(r"\(([\d.]+) at the point estimates"), "point"),
+    (re.compile(r"below the ([\d.]+) full-length requests"), "banded"),
+    (re.compile(r"([\d,]+) tokens \(planner:"), "kv_cache_tokens"),
+    (re.compile(r"([\d.]+) over the (\d+) engines"), "point_all_engines"),
+)
+
+
+def _claims(text: str) -> list[tuple[str, str, str | None]]:
+    """(kind, number as written, the max_model_len or engine count written beside it) for every claim in ``text``;
+    a comment's sentence may run over several ``#`` lines."""
+    prose = re.sub(r"\n\s*#\s*", " ", text)
+    return [(kind, m.group(1), m.group(2) if m.lastindex == 2 else None)
+            for pattern, kind in CLAIMS for m in pattern.finditer(prose)]
+
+
+def _as_written(value: float, written: str) -> str:
+    """``value`` with as many decimals (and thousands commas) as the claim was written with."""
+    decimals = len(written.split(".")[1]) if "." in written else 0
+    return f"{value:,.{decimals}f}" if "," in written else f"{value:.{decimals}f}"
+
+
+@pytest.mark.parametrize("config", DEPLOY_CONFIGS, ids=_ids(DEPLOY_CONFIGS))
+def test_deploy_config_comments_state_the_plans_numbers(config, replica_plans):
+    report = replica_plans[config.name].report
+    dp = replica_plans[config.name].layout.dp
+    plan_says = {"point": float(report.max_concurrency), "banded": float(report.banded_max_concurrency),
+                 "kv_cache_tokens": float(report.kv_cache_tokens),
+                 "point_all_engines": float(report.max_concurrency) * dp}
+    claims = _claims(config.read_text())
+    assert any(kind == "banded" for kind, _, _ in claims), f"{config.name} does not say what its limits hold"
+    for kind, written, beside in claims:
+        assert written == _as_written(plan_says[kind], written), (
+            f"{config.name}: the comment says {written} ({kind}), the plan {plan_says[kind]:.4f}")
+        if kind in ("point", "banded") and beside is not None:
+            assert int(beside.replace(",", "")) == report.engine.max_model_len, f"{config.name}: {beside} tokens"
+        if kind == "point_all_engines":
+            assert int(beside) == dp
+
+
 # --- every deploy config fits its cluster files -----------------------------------------------------------------
 
 

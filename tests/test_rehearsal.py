@@ -269,6 +269,23 @@ def test_kv_pool_error_is_inside_the_band_the_verdict_uses(runs) -> None:
             assert -0.04 <= err <= 0.035 or sliver, (r.name, r.kv)
 
 
+QUOTED_KV_ERROR = re.compile(r"([+-]\d+\.\d\d) %[^%]*?\((?:[^()]*, )?((?:b200-)?r\d+-s\d[\w-]*)\)")
+"""A deploy config's quote of a rehearsed rank's KV-pool error: "-0.32 % of vLLM's on stage 0 (r49-s0)"."""
+
+
+def test_deploy_configs_quote_their_ranks_kv_errors_as_the_fixtures_replay(runs) -> None:
+    """The rank slices' KV errors a deploy config quotes are what the recorded runs give with today's constants: a
+    refit that moves them moves the comment too."""
+    quoted = {}
+    for config in sorted((REPO_ROOT / "deploy").glob("config*.yaml")):
+        prose = re.sub(r"\n\s*#\s*", " ", config.read_text())
+        quoted |= {(config.name, name): error for error, name in QUOTED_KV_ERROR.findall(prose)}
+    assert {name for _, name in quoted} >= {"r49-s0", "r44-s1-dspark", "b200-r50-s0", "b200-r43-s1-dspark"}
+    for (config, name), error in quoted.items():
+        replayed = 100 * accuracy.RunAccuracy.error(runs[name].kv)
+        assert error == f"{replayed:+.2f}", f"{config} quotes {error} % for {name}; its fixture replays {replayed:+.2f} %"
+
+
 def test_verdict_right_on_every_run_that_ended(runs) -> None:
     """Every run that ended gets vLLM's outcome, or "at risk" where it fits only at the point estimates:
     k8-tp1-b8192-s512-nodraft, a fit run at the edge (512 sequences; vLLM made 513 blocks, the plan 536, and fewer
