@@ -61,6 +61,11 @@ def load_script(name: str, folder: str = "scripts"):
 make_tiny_models = load_script("make_tiny_models")
 
 
+def comment_prose(yaml_text: str) -> str:
+    """A YAML file's text with each comment's ``#`` line breaks joined, so a sentence that runs over lines reads whole."""
+    return re.sub(r"\n\s*#\s*", " ", yaml_text)
+
+
 def last_logged_int(pattern: str, text: str) -> int | None:
     """The last integer a vLLM log gives for ``pattern`` (one group), e.g. a setting of the config it printed."""
     found = re.findall(pattern, text)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import comment_prose
 from kimi_k3_serve.cli import main
 from kimi_k3_serve.cluster.files import load_cluster_file
 from kimi_k3_serve.config.args_adapter import planner_inputs
@@ -183,7 +184,7 @@ CLAIMS = (
 def _claims(text: str) -> list[tuple[str, str, str | None]]:
     """(kind, number as written, the max_model_len or engine count written beside it) for every claim in ``text``;
     a comment's sentence may run over several ``#`` lines."""
-    prose = re.sub(r"\n\s*#\s*", " ", text)
+    prose = comment_prose(text)
     return [(kind, m.group(1), m.group(2) if m.lastindex == 2 else None)
             for pattern, kind in CLAIMS for m in pattern.finditer(prose)]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, load_script
+from conftest import REPO_ROOT, comment_prose, load_script
 from kimi_k3_serve import recorded
 from kimi_k3_serve.cli import main
 from kimi_k3_serve.planning.inventory import GpuInfo
@@ -278,7 +278,7 @@ def test_deploy_configs_quote_their_ranks_kv_errors_as_the_fixtures_replay(runs)
     refit that moves them moves the comment too."""
     quoted = {}
     for config in sorted((REPO_ROOT / "deploy").glob("config*.yaml")):
-        prose = re.sub(r"\n\s*#\s*", " ", config.read_text())
+        prose = comment_prose(config.read_text())
         quoted |= {(config.name, name): error for error, name in QUOTED_KV_ERROR.findall(prose)}
     assert {name for _, name in quoted} >= {"r49-s0", "r44-s1-dspark", "b200-r50-s0", "b200-r43-s1-dspark"}
     for (config, name), error in quoted.items():
