@@ -161,6 +161,11 @@ def test_deploy_config_carries_the_start_timeout_its_estimate_gives(config):
     comment = deploy_comment(args)
     assert lines[at - len(comment): at] == [f"# {text}" for text in comment], config.name
     assert budgets.engine_start_timeout_s >= budgets.load_margin * budgets.load_s + budgets.engine_start_s
+    if config.name == "config.yaml":  # README.md derives this config's budget in numbers: they are the estimate's
+        slowest = max(budgets.nodes, key=lambda node: node.start_s)
+        quoted = (f"all {slowest.nbytes / 1e9:,.0f} GB: {budgets.load_s:,.0f} s, so `RAYLLM_ENGINE_START_TIMEOUT_S` "
+                  f"{budgets.engine_start_timeout_s} s")
+        assert quoted in " ".join((REPO / "README.md").read_text().split()), quoted
 
 
 KUBERAY_FILES = sorted(p for p in (REPO / "cluster_configs").glob("kuberay-*.yaml"))
