@@ -62,7 +62,7 @@ make_tiny_models = load_script("make_tiny_models")
 
 
 def comment_prose(yaml_text: str) -> str:
-    """A YAML file's text with each comment's ``#`` line breaks joined, so a sentence that runs over lines reads whole."""
+    """A YAML file's text with each comment's ``#`` line breaks joined: a sentence over several lines reads whole."""
     return re.sub(r"\n\s*#\s*", " ", yaml_text)
 
 

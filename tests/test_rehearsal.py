@@ -283,7 +283,7 @@ def test_deploy_configs_quote_their_ranks_kv_errors_as_the_fixtures_replay(runs)
     assert {name for _, name in quoted} >= {"r49-s0", "r44-s1-dspark", "b200-r50-s0", "b200-r43-s1-dspark"}
     for (config, name), error in quoted.items():
         replayed = 100 * accuracy.RunAccuracy.error(runs[name].kv)
-        assert error == f"{replayed:+.2f}", f"{config} quotes {error} % for {name}; its fixture replays {replayed:+.2f} %"
+        assert error == f"{replayed:+.2f}", f"{config} quotes {error} % for {name}; its fixture gives {replayed:+.2f} %"
 
 
 def test_verdict_right_on_every_run_that_ended(runs) -> None:
