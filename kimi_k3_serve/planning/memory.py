@@ -91,20 +91,20 @@ stage's profile: held from the target's forward into the draft's step (under bot
 run's fused all-reduce residuals were counted apart, 4.61 while the draft logits were added on top of the forward's
 peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart,
 ``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
-CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(10.79 * MiB), "default": 14 * MiB}
+CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(10.85 * MiB), "default": 14 * MiB}
 """Per graph that vLLM's CUDA-graph estimate captures (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
 once (in breakable mode every KDA and MLA op is a graph break, so a graph has about one segment per layer). For
 Kimi-K3 that is each PIECEWISE graph; its FULL graphs are sampled, not captured (``CUDA_GRAPH_FULL_SAMPLED``). The
 Kimi-K3 values are set by ``scripts/fit_memory_constants.py`` on the fit runs only (``CUDA_GRAPH_FIT_RUNS``); the
 default is Llama-3.1-8B at TP1 (0.76 GiB, H200, vLLM 0.32), every graph charged."""
-CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(3.70 * MiB), "default": 0}
+CUDA_GRAPH_PER_LAYER = {"kimi_k3": int(3.71 * MiB), "default": 0}
 """What one local decoder layer adds to the estimate, once for the stage, not per graph (fitted with
 ``CUDA_GRAPH_PER_GRAPH``; charged per graph and refitted, it over-predicted r49-s0-b2048-s512 by 164 %)."""
 CUDA_GRAPH_PER_HEAD = {"kimi_k3": 0, "default": 0}
 """What each of the target's attention heads on the rank adds per captured graph: the graphs' sharded activations
 (a TP8 rank holds 12 of Kimi-K3's 96 heads and an eighth of each expert; fitted with ``CUDA_GRAPH_PER_GRAPH``)."""
-CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.11 * MiB)}
+CUDA_GRAPH_DRAFT_PER_GRAPH = {"dspark": int(18.33 * MiB)}
 """What a draft adds per captured graph on the last stage (its forward is captured with the target's), before its
 heads: ``CUDA_GRAPH_DRAFT_PER_HEAD`` adds what each of the draft's attention heads on the rank adds, so a TP8 rank
 (12 of 96 heads) is not charged a full-width draft's graphs. DSpark's graphs are its own FULL graphs (sizes in
@@ -115,7 +115,7 @@ TP8 rank and 32,768 tokens; twice that at 65,536). Before that lane was counted 
 none per target graph; its drafter's own graphs are counted instead (``eagle3_draft_graphs``), each at the target's
 per-graph cost (not fitted on an EAGLE3 run)."""
 CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": 0}
-CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(15.53 * KiB)}
+CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(15.08 * KiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it, per target attention head on
 the rank (fitted with ``CUDA_GRAPH_PER_GRAPH``, in KiB). vLLM's estimate charges all but one FULL graph at 1 MiB
 (the second sample's drop in free memory is negative: ``bands.CUDA_GRAPHS`` says why, and what that adds); with
@@ -128,7 +128,7 @@ layer costs 8 times a rank's. That structure was chosen after k8 had been read; 
 sample (twelfth session): 7 full-width layers at the serve defaults 3.71 / 3.72 GiB, 5 at 4,096 tokens 3.62 / 3.70;
 ranks-round12 (thirteenth): 5 at 2,048 tokens and 64 sequences 3.41 / 3.52, and k8 started again logged the same
 3.82 GiB as its first start (plan 3.76): that miss is the model's, inside the CUDA-graph band."""
-CUDA_GRAPH_FULL_SAMPLED = {"kimi_k3": int(25.30 * MiB)}
+CUDA_GRAPH_FULL_SAMPLED = {"kimi_k3": int(24.47 * MiB)}
 """What vLLM's estimate keeps of the 2 FULL graphs it samples, besides the release below. vLLM 0.32 captures only the
 2 largest FULL graphs (v1/worker/gpu/cudagraph_utils.py ``profile_cudagraph_memory``) and charges every other one
 the second sample's drop in free memory, at least ``VLLM_FULL_GRAPH_FLOOR``; the drop is negative on every run the
@@ -138,7 +138,7 @@ session the plan charged every FULL graph ``CUDA_GRAPH_PER_GRAPH`` (7.78 MiB the
 ``max_num_seqs`` faster than vLLM's: stage 1's TP8 rank 0.10 GiB over at 64 to 512 sequences. Fitted with
 ``CUDA_GRAPH_PER_GRAPH`` on the fit runs; the structure, read from vLLM's code, was chosen with the validation runs
 already read (ranks-round17's score it out of sample)."""
-CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD = {"kimi_k3": int(3.52 * KiB)}
+CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD = {"kimi_k3": int(3.47 * KiB)}
 """The part of the cache released at the second sampled FULL graph that grows with its tokens and the target's heads
 on the rank (its eager warm-up's head-sharded activations), in KiB. Fitted on the estimates, not on the releases: the
 plugin logged 316 to 428 MiB at full width and 496 tokens (this term: 190 MiB), 130 MiB on stage 1's TP8 rank
@@ -154,7 +154,7 @@ CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3",
                        "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256",
                        "k6-tp1-serve-defaults-dspark", "k4-tp1-b4096-s128-dspark", "k6-tp1-b4096-s128-dspark",
                        "k8-tp1-b4096-s32-dspark", "r23-s3-pp4-dspark-b8192-s35", "r44-s1-dspark-b8192-s24",
-                       "r44-s1-dspark-b8192-s48")
+                       "r44-s1-dspark-b8192-s48", "r31-s2-pp3-dspark-b8192-s24", "r11-s7-pp8-dspark-b8192-s35")
 """The runs (fit role, fixed in scripts/gpu/matrix.py before they ran) the Kimi-K3 CUDA-graph constants are fitted
 on: full-width slices of 4 and 6 layers, TP2, and TP8 rank slices of 11, 23, 31 and 44 layers, with DSpark and
 without (the 44-layer one, stage 1's rank at 256 sequences, since 2026-12-03; the 6-layer slice at the serve
@@ -162,7 +162,8 @@ defaults with DSpark, round 11, since the twelfth session; the 4-layer slice wit
 sequences, round 12, since the thirteenth; 6 and 8 layers with DSpark at 4,096 tokens and 128 and 32 sequences,
 round 19, since the twenty-third, the first fit runs that logged what the released cache is made of; the 23-layer
 last stage of a PP4 layout at 35 sequences and stage 1's rank at 24 and 48, ranks-round18's fit runs, since the
-twenty-eighth, where the estimate of that rank missed most)."""
+twenty-eighth, where the estimate of that rank missed most; the 31- and 11-layer ranks with DSpark at 24 and 35
+sequences, ranks-round19's, since the thirtieth, the same step at two more depths)."""
 CUDA_GRAPH_FITTED_LAYERS = (4, 49)
 """The stage sizes the CUDA-graph constants were fitted on, in local layers with a KV cache (a draft's included, as
 the plan counts them: stage 1's rank with DSpark has 44 + 5); deeper stages are an extrapolation of the per-layer
