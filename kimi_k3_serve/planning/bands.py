@@ -57,8 +57,8 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "sample + (FULL graphs - 1) x 1 MiB. That release is memory no graph holds (FlashMLA's decode "
                    "buffers, the projections' outputs and KDA's chunk state the eager warm-up left cached), and it is "
                    "not smooth in the shapes: 316 to 428 MiB at full width with DSpark, 4 to 8 layers "
-                   "(ranks-round16); at stage 1's TP8 rank with DSpark, 76, 64, 60, 42 and 84 MiB cached at the "
-                   "second sample at 24, 28, 35, 42 and 48 sequences. The history: docs/gpu-runs.md, "
+                   "(ranks-round16); at stage 1's TP8 rank with DSpark, 40, 76, 64, 60, 42 and 84 MiB cached at the "
+                   "second sample at 20, 24, 28, 35, 42 and 48 sequences. The history: docs/gpu-runs.md, "
                    "\"The bands' history\"")
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
 
