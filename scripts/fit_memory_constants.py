@@ -13,8 +13,9 @@ constants, so a group is fitted by non-negative least squares (relative errors) 
 - ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations, the
   weights' allocator slack and, at TP2, the fused all-reduce's residuals (all from the shapes), ``NON_TORCH_TP1`` on
   one GPU, the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32 ``max_num_seqs x vocab`` tensors and, with DSpark,
-  ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the dummy batch's speculative positions (fitted
-  factors). Fit runs: ``PROFILE_FIT_RUNS``.
+  ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the dummy batch's speculative positions,
+  ``DRAFT_HIDDEN_COPIES`` hidden states into the draft's step and ``DSPARK_KDA_PEAK_HIDDEN_COPIES`` at a KDA layer's
+  peak (fitted factors). Fit runs: ``PROFILE_FIT_RUNS``.
 
 Printed per group: the constants, each fit run's residual, leave-one-out over the fit runs (the group refitted
 without that run, the run predicted), and the error on every validation run (which sets nothing).
@@ -67,8 +68,9 @@ GROUPS = (
                          ("CUDA_GRAPH_FULL_SAMPLED", "kimi_k3"), ("CUDA_GRAPH_RELEASE_PER_TOKEN_HEAD", "kimi_k3")),
           "cuda_graph", memory.CUDA_GRAPH_FIT_RUNS, kib_scale=(5, 7)),
     Group("profile", (("NON_TORCH_TP1", None), ("SAMPLER_FP32_VOCAB_COPIES", None),
-                      ("DSPARK_PROFILE_LOGITS_COPIES", None), ("DRAFT_HIDDEN_COPIES", "dspark")), "profile",
-          memory.PROFILE_FIT_RUNS, integer_scale=(1, 2, 3)),
+                      ("DSPARK_PROFILE_LOGITS_COPIES", None), ("DRAFT_HIDDEN_COPIES", "dspark"),
+                      ("DSPARK_KDA_PEAK_HIDDEN_COPIES", None)), "profile",
+          memory.PROFILE_FIT_RUNS, integer_scale=(1, 2, 3, 4)),
 )
 CONSTANTS = GROUPS[0].constants
 """The CUDA-graph group's constants (tests/test_rehearsal.py checks them against the fit)."""

@@ -250,7 +250,7 @@ OTHER_FAMILIES = ("llama", "qwen", "deepseek")
 
 def test_kv_pool_error_is_inside_the_band_the_verdict_uses(runs) -> None:
     """On every run where vLLM sized a pool, the plan's pool less its measured band (planning/bands.py) is no larger
-    than vLLM's: the verdict's banded pool is on the safe side. Validation runs within 3.5 % above and 4 % below
+    than vLLM's: the verdict's banded pool is on the safe side. Validation runs within 1 % above and 4 % below
     (docs/memory-accuracy.md), or 0.6 GiB on a near-miss's sliver (the 8-layer slice's 0.92 GiB)."""
     from kimi_k3_serve.planning.bands import kv_band_bytes
 
@@ -260,17 +260,19 @@ def test_kv_pool_error_is_inside_the_band_the_verdict_uses(runs) -> None:
         band = kv_band_bytes(r.weights[0], r.profile[0], r.cuda_graph[0], kimi_k3=not r.name.startswith(OTHER_FAMILIES))
         assert r.kv[0] - band <= r.kv[1], (r.name, r.kv, band)
         if r.role == "validation":
-            # The unsafe side (the plan's pool above vLLM's) within 3.5 %; the safe side within 4 % (r49-s0-b2048-s512,
+            # The unsafe side (the plan's pool above vLLM's) within 1 % (k8-tp1-b4096-s64-dspark's pool of 0.63 GiB
+            # was 8.45 % over before DSPARK_KDA_PEAK_HIDDEN_COPIES); the safe side within 4 % (r49-s0-b2048-s512,
             # 3.6 % low: the sampler's fp32 copies at 512 sequences over the whole vocabulary, 0.9 GiB more than vLLM),
             # or, on a pool under 5 GiB, within 1.3 GiB (r44-s1-dspark-u080-b16384-s256: 3.91 GiB at 0.80, where the
             # CUDA-graph estimate is 1.06 GiB over at 48 FULL graphs through 44 layers with DSpark).
             err = accuracy.RunAccuracy.error(r.kv)
             sliver = abs(r.kv[0] - r.kv[1]) <= 0.6 * GiB or (r.kv[1] < 5 * GiB and 0 < r.kv[1] - r.kv[0] <= 1.3 * GiB)
-            assert -0.04 <= err <= 0.035 or sliver, (r.name, r.kv)
+            assert err <= 0.01, (r.name, r.kv)
+            assert -0.04 <= err or sliver, (r.name, r.kv)
 
 
 QUOTED_KV_ERROR = re.compile(r"([+-]\d+\.\d\d) %[^%]*?\((?:[^()]*, )?((?:b200-)?r\d+-s\d[\w-]*)\)")
-"""A deploy config's quote of a rehearsed rank's KV-pool error: "-0.32 % of vLLM's on stage 0 (r49-s0)"."""
+"""A deploy config's quote of a rehearsed rank's KV-pool error: "-0.21 % of vLLM's on stage 0 (r49-s0)"."""
 
 
 def test_deploy_configs_quote_their_ranks_kv_errors_as_the_fixtures_replay(runs) -> None:
@@ -366,6 +368,30 @@ def test_dspark_profile_run_draft_logits_follow_vllms_dummy_batch(runs) -> None:
         assert runs[name].role == "validation"
         assert abs(accuracy.RunAccuracy.error(runs[name].profile)) <= 0.05, (name, runs[name].profile)
         assert abs(accuracy.RunAccuracy.error(runs[name].kv)) <= 0.015, (name, runs[name].kv)
+
+
+KDA_PEAK_DSPARK_RUNS = {"k4-tp1-b4096-s128-dspark": "fit", "k6-tp1-b4096-s128-dspark": "fit",
+                        "k8-tp1-b4096-s32-dspark": "fit", "k4-tp1-b8192-s256-u080": "fit",
+                        "k5-tp1-b2048-s64-dspark": "validation", "k6-tp1-b2048-s32-dspark": "validation",
+                        "k7-tp1-b3072-s64-dspark": "validation", "k5-tp1-b4096-s128-dspark": "validation",
+                        "k6-tp1-b4096-s96-dspark-u090": "validation", "k8-tp1-b4096-s48-dspark": "validation",
+                        "k8-tp1-b4096-s64-dspark": "validation", "serve-one-gpu": "validation"}
+"""Full-width slices with DSpark whose profile peak the plan puts in a KDA layer's forward."""
+
+
+@pytest.mark.parametrize("name", sorted(KDA_PEAK_DSPARK_RUNS))
+def test_a_dspark_draft_adds_hidden_states_to_a_kda_layers_peak(runs, name) -> None:
+    """Where a KDA layer's forward sets the profile's peak, DSpark adds about one hidden state of
+    max_num_batched_tokens rows there beyond the aux hidden states (``DSPARK_KDA_PEAK_HIDDEN_COPIES``, fitted): without
+    it the plan was under vLLM's by 0.011 to 0.131 GiB at 2,048 to 8,192 tokens on every such run (fit and validation
+    alike; docs/gpu-runs.md, round 23), and k8-tp1-b4096-s64-dspark's pool of 0.63 GiB 8.45 % over vLLM's."""
+    run = runs[name]
+    assert run.role == KDA_PEAK_DSPARK_RUNS[name]
+    report, _ = accuracy.predict_run(next(d for d in accuracy.run_dirs() if d.name == name))
+    activation = next(e for e in report.estimates if e.name == "activation_bytes")
+    assert activation.basis.startswith("a KDA layer's forward"), activation.basis
+    assert "hidden states the draft adds there" in activation.basis, activation.basis
+    assert abs(accuracy.RunAccuracy.error(run.profile)) <= 0.01, run.profile
 
 
 def test_dspark_draft_logits_peak_apart_from_the_targets_forward(runs) -> None:

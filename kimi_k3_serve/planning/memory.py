@@ -41,7 +41,7 @@ from kimi_k3_serve.planning.fused_allreduce import zero_residual
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
-NON_TORCH_TP1 = int(322.69 * MiB)
+NON_TORCH_TP1 = int(300.70 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
 """Post-snapshot memory the profile sees besides weights and activations. TP1: 0.32 GiB, fitted with
 ``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
@@ -59,13 +59,15 @@ PROFILE_FIT_RUNS = ("k4-tp1-serve-defaults-dspark", "k4-tp1-b8192-s256-u080", "k
                     "k8-tp1-b8192-s512-nodraft", "k4-tp1-b8192-s1024-nodraft", "k6-tp1-b8192-s768-dspark-u080",
                     "rehearse-tp2", "r11-s7-pp8-dspark", "r23-s0-pp4", "r31-s1-pp3", "r23-s3-pp4-dspark",
                     "r31-s2-pp3-dspark", "r49-s0-b16384-s16", "r31-s1-pp3-b16384", "k4-tp1-b8192-s16-nodraft",
-                    "r44-s1-dspark-b16384-s16", "k6-tp1-serve-defaults-dspark", "k4-tp1-b4096-s128-dspark")
-"""The fit runs the profile group (``NON_TORCH_TP1``, ``SAMPLER_FP32_VOCAB_COPIES``, ``DSPARK_PROFILE_LOGITS_COPIES``) is
-fitted on together: every Kimi-K3 fit run of the matrix (full-width slices of 4 to 8 layers at 256 to 1024 sequences,
-with DSpark and without, TP2, and TP8 rank slices of 11 to 49 layers at 8,192 and 16,384 tokens, stage 1's rank with
-DSpark at 16,384 among them; H200, 2026-11-30 to 2026-12-03;
-``scripts/fit_memory_constants.py``)."""
-SAMPLER_FP32_VOCAB_COPIES = 1.15
+                    "r44-s1-dspark-b16384-s16", "k6-tp1-serve-defaults-dspark", "k4-tp1-b4096-s128-dspark",
+                    "k6-tp1-b4096-s128-dspark", "k8-tp1-b4096-s32-dspark")
+"""The fit runs the profile group (``NON_TORCH_TP1``, ``SAMPLER_FP32_VOCAB_COPIES``, ``DSPARK_PROFILE_LOGITS_COPIES``,
+``DRAFT_HIDDEN_COPIES``, ``DSPARK_KDA_PEAK_HIDDEN_COPIES``) is fitted on together: every Kimi-K3 fit run of the matrix
+(full-width slices of 4 to 8 layers at 256 to 1024 sequences, with DSpark and without, TP2, and TP8 rank slices of 11
+to 49 layers at 8,192 and 16,384 tokens, stage 1's rank with DSpark at 16,384 among them; H200, 2026-11-30 to
+2026-12-03; ``scripts/fit_memory_constants.py``), and, since the thirtieth session, the two full-width DSpark fit runs
+at 4,096 tokens of round 19 (6 and 8 layers), whose peak is a KDA layer's."""
+SAMPLER_FP32_VOCAB_COPIES = 1.13
 """A fitted factor of fp32 ``max_num_seqs x vocab`` tensors held through the last stage's whole profile run, under
 either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequences). What vLLM 0.32's code holds
 there: the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what
@@ -75,7 +77,7 @@ shapes; the fit says 1.15 (1.06 until the weights' allocator slack was counted a
 until the KDA layer's peak held DSpark's hidden states, twenty-first session; 0.92 while DSpark's draft logits were
 added to the forward's peak; until 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA
 layer's own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
-DSPARK_PROFILE_LOGITS_COPIES = 1.72
+DSPARK_PROFILE_LOGITS_COPIES = 1.74
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
@@ -84,13 +86,20 @@ positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_st
 ``propose`` runs after the target's forward has returned, so these logits peak beside what the forward leaves held
 (the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's (2026-12-03;
 1.18 copies while they were added on top, which put stage 1's rank at 16,384 tokens and 256 sequences 0.46 GiB over)."""
-DRAFT_HIDDEN_COPIES = {"dspark": 5.22, "default": 6}
+DRAFT_HIDDEN_COPIES = {"dspark": 5.39, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
 stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
 ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (6 before it was, 5.70 until the weights' allocator slack and the TP2
 run's fused all-reduce residuals were counted apart, 4.61 while the draft logits were added on top of the forward's
 peak), a TP8 rank at 16,384 tokens among them (2026-12-03). The default (EAGLE3, whose MLA step is taken apart,
 ``eagle3_mla_profile_bytes``) is the unfitted 6 of the first plan."""
+DSPARK_KDA_PEAK_HIDDEN_COPIES = 1.31
+"""Copies of ``max_num_batched_tokens x the target's hidden size`` (model dtype) that a DSpark draft adds to a KDA
+layer's forward peak, beside the aux hidden states counted there: a fitted factor, not yet read from vLLM's code. On
+every full-width DSpark slice whose peak is a KDA layer's, the plan without it was under vLLM's by about one such
+tensor (0.011 to 0.131 GiB at 2,048 to 8,192 tokens), and without a draft the same branch was not (docs/gpu-runs.md,
+round 23). Fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (2026-12-05); the structure was chosen after the
+validation runs it moves had been read, so ``ranks-round20`` scores it."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(10.85 * MiB), "default": 14 * MiB}
 """Per graph that vLLM's CUDA-graph estimate captures (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
@@ -1103,11 +1112,15 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
         last_kda = max(i for i in range(start, end) if isinstance(model.layers[i].kv, KdaState))
         aux = _aux_held_bytes(model, aux_layers, start, last_kda, mnbt)
         kda_peak = kda + (workspace if moe_before_kda else 0) + aux
+        if aux_layers:
+            kda_peak += int(hidden_state_bytes(model, mnbt) * DSPARK_KDA_PEAK_HIDDEN_COPIES)
         if kda_peak > peak:
             basis = (f"a KDA layer's forward at max_num_batched_tokens={mnbt} ({kda // mnbt:,} B per token, exact "
                      f"shapes, vLLM models/kimi_k3/nvidia/kda.py)"
                      + (f" + the draft's aux hidden states captured before layer {last_kda} ({aux / MiB:,.0f} MiB)"
-                        if aux else "") + f" over the MoE layers' peak and what follows it ({basis})")
+                        if aux else "")
+                     + (f" + {DSPARK_KDA_PEAK_HIDDEN_COPIES:g} hidden states the draft adds there (fitted)"
+                        if aux_layers else "") + f" over the MoE layers' peak and what follows it ({basis})")
             peak = kda_peak
     peak += held
     return peak, max(peak // 4, 256 * MiB), basis + held_basis + "; +-25% (H200 residuals <= 0.3 GiB)"
