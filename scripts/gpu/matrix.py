@@ -372,6 +372,18 @@ SETS: dict[str, list[Job]] = {
              expected_s=300),
         kimi("k8-tp1-b4096-s48-dspark", 8, tokens=4096, seqs=48, role="validation", expected_s=170),
     ],
+    # Roles fixed 2026-12-05 (thirtieth session), before these run: every one is a validation run of
+    # DSPARK_KDA_PEAK_HIDDEN_COPIES (planning/memory.py), the hidden states a DSpark draft adds where a KDA layer's
+    # forward sets the profile's peak. That term was chosen after every full-width DSpark run it moves had been read,
+    # so none of those scores it. These are new token budgets and depths where the plan puts the peak there (the term
+    # 0.05 to 0.14 GiB), and one 8-layer slice at the edge, whose pool of 0.71 GiB the term alone takes 0.11 GiB
+    # from (the plan says "at risk"). The 4- to 8-layer full-width slices took 130 to 170 s a start in round 23.
+    "ranks-round20": [
+        kimi("k5-tp1-b6144-s64-dspark", 5, tokens=6144, seqs=64, role="validation", expected_s=170),
+        kimi("k7-tp1-b8192-s32-dspark", 7, tokens=8192, seqs=32, role="validation", expected_s=170),
+        kimi("k6-tp1-b3072-s128-dspark", 6, tokens=3072, seqs=128, role="validation", expected_s=170),
+        kimi("k8-tp1-b6144-s32-dspark", 8, tokens=6144, seqs=32, role="validation", expected_s=170),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
