@@ -43,10 +43,10 @@ from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, 
 
 NON_TORCH_TP1 = int(300.70 * MiB)
 NON_TORCH_TP_MULTI = int(2.1 * GiB)
-"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.32 GiB, fitted with
-``SAMPLER_FP32_VOCAB_COPIES`` and ``DSPARK_PROFILE_LOGITS_COPIES`` on ``PROFILE_FIT_RUNS`` by
-scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-05; leave-one-out in docs/memory-accuracy.md; the
-llm-d v0.19 H100 sweep had 0.25 GiB). 0.36 GiB until the weights' allocator slack (``ALLOCATOR_SLACK_BASIS``) and,
+"""Post-snapshot memory the profile sees besides weights and activations. TP1: 0.29 GiB (0.32 until
+``DSPARK_KDA_PEAK_HIDDEN_COPIES``, thirtieth session), fitted with the profile group's other constants on
+``PROFILE_FIT_RUNS`` by scripts/fit_memory_constants.py (H200 runs of 2026-11-30 to 2026-12-05; leave-one-out in
+docs/memory-accuracy.md; the llm-d v0.19 H100 sweep had 0.25 GiB). 0.36 GiB until the weights' allocator slack (``ALLOCATOR_SLACK_BASIS``) and,
 at TP2, the fused all-reduce's residuals (planning/fused_allreduce.py) were counted apart (twenty-fifth session): the
 constant had stood for the slack of the fit runs' depths.
 TP2 (one node): ``NON_TORCH_TP1`` too, looked up when a plan is made (an alias bound at import kept the fitter's
@@ -73,10 +73,11 @@ either peak (with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS``, 16 to 1024 sequence
 there: the dummy sampler run stays under the forward's peak (v1/worker/gpu/model_runner.py ``profile_run``), and what
 grows with ``max_num_seqs`` is persistent, made after the weights: the penalties' ``output_bin_counts`` (int32,
 ``max_num_reqs x vocab``) and bitmasks (sample/penalties.py, structured_outputs.py), 1.06 fp32 copies by the code's
-shapes; the fit says 1.15 (1.06 until the weights' allocator slack was counted apart, twenty-fifth session; 1.09
-until the KDA layer's peak held DSpark's hidden states, twenty-first session; 0.92 while DSpark's draft logits were
-added to the forward's peak; until 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA
-layer's own peak, ``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
+shapes; the fit says 1.13 (1.15 until ``DSPARK_KDA_PEAK_HIDDEN_COPIES``, thirtieth session; 1.06 until the
+weights' allocator slack was counted apart, twenty-fifth session; 1.09 until the KDA layer's peak held DSpark's
+hidden states, twenty-first session; 0.92 while DSpark's draft logits were added to the forward's peak; until
+2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA layer's own peak,
+``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
 DSPARK_PROFILE_LOGITS_COPIES = 1.74
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
