@@ -384,6 +384,16 @@ SETS: dict[str, list[Job]] = {
         kimi("k6-tp1-b3072-s128-dspark", 6, tokens=3072, seqs=128, role="validation", expected_s=170),
         kimi("k8-tp1-b6144-s32-dspark", 8, tokens=6144, seqs=32, role="validation", expected_s=170),
     ],
+    # Roles fixed 2026-12-06 (thirty-first session), before these run, for an H100 80GB when no H200 is lent: no run
+    # has been made on one, and the catalogue's H100 total (79.19 GiB) comes from public logs. Validation runs of the
+    # whole model on a GPU the constants never saw, and of DSPARK_KDA_PEAK_HIDDEN_COPIES, which moves each of them
+    # 0.06 to 0.22 GiB (the 4-layer slice's peak is a KDA layer's forward at these budgets). A 4-layer slice with
+    # DSpark holds 58.69 GiB, so the KV pool is 6 to 10 GiB and 0.20 GiB of recurrent state a sequence.
+    "ranks-round21-h100": [
+        kimi("k4-tp1-b6144-s16-dspark-h100", 4, tokens=6144, seqs=16, role="validation", expected_s=150),
+        kimi("k4-tp1-b12288-s16-dspark-h100", 4, tokens=12288, seqs=16, role="validation", expected_s=150),
+        kimi("k4-tp1-b3072-s32-dspark-h100", 4, tokens=3072, seqs=32, role="validation", expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
