@@ -188,9 +188,16 @@ def predict_run(run_dir: Path):
             args = rehearse.materialize_stage(args, Path(work), ns.stage_of)[0]
         else:
             args = rehearse.materialize_models(args, Path(work), ns.layers)[0]
-        report = rehearse.predict(args, RankDevice(total, (9, 0), free_bytes=free, name="NVIDIA H200"),
+        report = rehearse.predict(args, RankDevice(total, _compute_capability(host), free_bytes=free,
+                                                   name=host["torch_devices"][0]["name"]),
                                   inherited_env=LENT_HOST_ENV)
     return report, reading
+
+
+def _compute_capability(host: dict) -> tuple[int, int]:
+    """The run's GPU's, as NVML read it on the host (every host so far: Hopper, 9.0)."""
+    devices = host.get("nvml", {}).get("devices") or [{}]
+    return tuple(devices[0].get("compute_capability") or (9, 0))
 
 
 @contextmanager
