@@ -42,6 +42,16 @@ def test_catalogue_h200_is_the_measured_figure():
     assert lookup_gpu(gpu.name).total_bytes == gpu.total_bytes
 
 
+def test_catalogue_h100_is_what_the_h100_host_measured():
+    """The one H100 host (2026-12-05): NVML v2 total - reserved, as parsed, is what torch saw, and the catalogue's."""
+    host = json.loads((FIXTURE.parents[1] / "gpu" / "2026-12-05-round24" / "host.json").read_text())
+    (gpu,), reason = parse_readings(host["nvml"])
+    assert reason is None and gpu.memory_exact and gpu.name == "NVIDIA H100 80GB HBM3"
+    assert gpu.total_bytes == host["torch_devices"][0]["total_bytes"]
+    spec = lookup_gpu(gpu.name)
+    assert spec.name == "H100" and spec.measured and spec.total_bytes == gpu.total_bytes
+
+
 def test_module_output_on_the_h200_is_what_the_parser_gives():
     captured = _fixture()
     printed = captured["module_output"]

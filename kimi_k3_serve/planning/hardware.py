@@ -60,13 +60,15 @@ CATALOGUE: tuple[GpuSpec, ...] = (
     ),
     GpuSpec(
         name="H100",
-        total_bytes=_gib(79.19),
+        total_bytes=85_017_493_504,
         compute_capability=(9, 0),
         gpus_per_nvlink_domain=8,
         ray_accelerator_type="H100",
-        source="PyTorch OOM messages 'GPU 0 has a total capacity of 79.19 GiB' from H100 80GB runs (public logs); "
-        "vLLM startup logs '.../79.19 GiB'",
+        source="measured on an H100 80GB HBM3, 2026-12-05: torch total_memory = NVML v2 total - reserved = "
+        "85,017,493,504 B (tests/fixtures/gpu/2026-12-05-round24/host.json); public logs' '79.19 GiB' was "
+        "11.6 MiB over",
         aliases=("H100-80GB", "H100-SXM", "NVIDIA H100 80GB HBM3"),
+        measured=True,
     ),
     GpuSpec(
         name="B200",
