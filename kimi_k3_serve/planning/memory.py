@@ -100,7 +100,9 @@ layer's forward peak, beside the aux hidden states counted there: a fitted facto
 every full-width DSpark slice whose peak is a KDA layer's, the plan without it was under vLLM's by about one such
 tensor (0.011 to 0.131 GiB at 2,048 to 8,192 tokens), and without a draft the same branch was not (docs/gpu-runs.md,
 round 23). Fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (2026-12-05); the structure was chosen after the
-validation runs it moves had been read, so ``ranks-round20`` scores it."""
+validation runs it moves had been read, so only runs defined after it score it: ``ranks-round21-h100`` (4 layers at
+3,072 to 12,288 tokens, on an H100 80GB, round 24) put the profile within 0.9 % of vLLM's, where it was 2.2 to 2.9 %
+under without the term; ``ranks-round20`` (5 to 8 layers, H200) has not run."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(10.85 * MiB), "default": 14 * MiB}
 """Per graph that vLLM's CUDA-graph estimate captures (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
