@@ -425,16 +425,16 @@ class PeakMemory:
 
 def engine_env(env: Mapping[str, str], work: Path) -> dict[str, str]:
     """The engine process's environment: this process's, the deploy config's over it, and the rehearsal's vLLM
-    plugin (``rehearsal/graph_samples.py``: vLLM logs only its CUDA-graph estimate's total, the plugin how it was
-    built) on its path. Where ``VLLM_PLUGINS`` names the plugins vLLM may load, the plugin is named too: it only
-    logs."""
+    plugin on its path (``rehearsal/graph_samples.py``: vLLM logs only its CUDA-graph estimate's total, the plugin
+    how it was built; ``rehearsal/profile_peak.py``: what the allocator charged at the profile's peak). Where
+    ``VLLM_PLUGINS`` names the plugins vLLM may load, the plugin's entry points are named too: they only log."""
     from kimi_k3_serve.rehearsal import graph_samples
 
     child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "VLLM_LOGGING_COLOR": "0"}
     plugin_path = str(graph_samples.install(work / "vllm-plugin"))
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_path, child_env.get("PYTHONPATH")) if p)
     if child_env.get("VLLM_PLUGINS"):
-        child_env["VLLM_PLUGINS"] += f",{graph_samples.PLUGIN_NAME}"
+        child_env["VLLM_PLUGINS"] += "".join(f",{name}" for name in graph_samples.PLUGIN_NAMES)
     return child_env
 
 

@@ -58,6 +58,8 @@ class RankComparison:
     full_graphs: int | None = None
     second_release: ReleasedCache | None = None
     """The cache the second sampled capture released, and what allocated it, where the plugin logged it."""
+    profile_block_slack_bytes: int | None = None
+    """The profile run's allocated peak less its requested peak (``profile_peak``), where the plugin logged them."""
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -80,11 +82,20 @@ class RankComparison:
                 line += "; made by " + ", ".join(f"{site} ({size / MiB:,.0f} MiB)" for site, size, _ in release.sites[:4])
         return line
 
+    def profile_peak_line(self) -> str | None:
+        """What vLLM's profile figure holds besides the tensors themselves, in a sentence (None where not logged)."""
+        if self.profile_block_slack_bytes is None:
+            return None
+        slack = self.profile_block_slack_bytes / MiB
+        return (f"at the profile's peak the allocator charged at least {slack:,.0f} MiB beyond the tensors' own sizes "
+                "(whole cached blocks, vLLM's max_split_size_mb:20), counted in vLLM's profile")
+
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "rows": [r.to_json() for r in self.rows],
                 "full_graph_samples": list(self.full_graph_samples) if self.full_graph_samples else None,
                 "full_graphs": self.full_graphs,
-                "second_release": None if self.second_release is None else self.second_release.to_json()}
+                "second_release": None if self.second_release is None else self.second_release.to_json(),
+                "profile_block_slack_bytes": self.profile_block_slack_bytes}
 
 
 @dataclass(frozen=True)
@@ -144,8 +155,10 @@ def compare(report: Any, reading: EngineReading) -> Comparison:
             Row("kv_cache", r.kv_cache_bytes, get("available_kv_bytes")),
         )
         second = next((c for c in (get("released_caches") or ()) if c.capture == 2), None)
+        allocated, requested = get("profile_allocated_peak_bytes"), get("profile_requested_peak_bytes")
+        slack = allocated - requested if allocated is not None and requested is not None else None
         ranks.append(RankComparison(r.rank, r.pp_stage, r.tp_rank, rows, get("full_graph_samples"), get("full_graphs"),
-                                    second))
+                                    second, slack))
     return Comparison(
         ranks=tuple(ranks), predicted_verdict=report.verdict, measured_verdict=measured_verdict(reading),
         predicted_concurrency=report.max_concurrency, measured_concurrency=reading.max_concurrency,
@@ -174,8 +187,9 @@ def render_table(comparison: Comparison, gpu_of_rank: Sequence[str] | None = Non
             lines.append(f"{gpu if i == 0 else '':<10} {rc.pp_stage if i == 0 else '':>5}  {row.name:<20} "
                          f"{_gib(row.predicted_bytes):>10} {_gib(row.measured_bytes):>10} {_err(row):>16}")
     for gpu, rc in zip(gpus, comparison.ranks):
-        if said := rc.full_graph_line():
-            lines.append(f"{gpu}: {said}")
+        for said in (rc.full_graph_line(), rc.profile_peak_line()):
+            if said:
+                lines.append(f"{gpu}: {said}")
     conc = "-" if comparison.measured_concurrency is None else f"{comparison.measured_concurrency:.2f}x"
     lines.append(f"max concurrency: plan {comparison.predicted_concurrency:.2f}x, vLLM {conc}")
     agree = "agree" if comparison.verdicts_agree else "DISAGREE"

@@ -36,7 +36,9 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from kimi_k3_serve.rehearsal import profile_peak
 
 MARKER = "KIMI_K3_REHEARSAL_FULL_GRAPHS"
 CACHE_MARKER = "KIMI_K3_REHEARSAL_RELEASED_CACHE"
@@ -53,18 +55,26 @@ def register() -> None:
     """vLLM's general-plugin hook. The wrap waits for vLLM to import the module itself: importing it here would
     import vLLM's worker code into every process that loads plugins (the rehearsal's own among them, before its
     engine forks), and nothing here may stop an engine from starting."""
-    module = sys.modules.get(_MODULE)
+    wrap_on_import(_MODULE, _wrap)
+
+
+def wrap_on_import(name: str, wrap: Callable[[Any], None]) -> None:
+    """Call ``wrap`` on module ``name`` now if it is imported, else once its import has run it."""
+    module = sys.modules.get(name)
     if module is not None:
-        _wrap(module)
-    elif not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WrapOnImport())
+        wrap(module)
+    elif not any(isinstance(f, _WrapOnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport(name, wrap))
 
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``_MODULE`` as the rest of ``sys.meta_path`` would, and wraps the function once the module has run."""
+    """Finds module ``name`` as the rest of ``sys.meta_path`` would, and wraps it once the module has run."""
+
+    def __init__(self, name: str, wrap: Callable[[Any], None]) -> None:
+        self.name, self.wrap = name, wrap
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _MODULE:
+        if fullname != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
@@ -73,7 +83,7 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
             def exec_and_wrap(module) -> None:
                 run_module(module)
-                _wrap(module)
+                self.wrap(module)
 
             spec.loader.exec_module = exec_and_wrap
         return spec
@@ -242,10 +252,16 @@ def allocation_site(frames: Sequence[Mapping[str, Any]]) -> str:
     return "torch"
 
 
+PLUGIN_NAMES = (PLUGIN_NAME, profile_peak.PLUGIN_NAME)
+"""The distribution's entry points: this module's, and ``profile_peak``'s (its ``PLUGIN_NAME``)."""
+
+
 def install(folder: Path) -> Path:
-    """Write the plugin's entry point into ``folder`` (a path entry for the engine's ``PYTHONPATH``); returns it."""
+    """Write the plugin's entry points (this module's and ``profile_peak``'s) into ``folder`` (a path entry for the
+    engine's ``PYTHONPATH``); returns it."""
     dist = folder / _DIST
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN_NAME}\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_NAME} = {__name__}:register\n")
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_NAME} = {__name__}:register\n"
+                                           f"{profile_peak.PLUGIN_NAME} = {profile_peak.__name__}:register\n")
     return folder

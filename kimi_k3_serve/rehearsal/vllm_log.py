@@ -14,7 +14,8 @@ Every number here is one vLLM printed. The lines come from (vLLM 0.32 CUDA wheel
 - ``v1/engine/core.py``: "init engine (profile, create kv cache, warmup model) took S s";
 - the rehearsal's own plugin (``graph_samples``): "KIMI_K3_REHEARSAL_FULL_GRAPHS {...}", the FULL graphs vLLM
   sampled for its CUDA-graph estimate and what it extrapolated from them, and "KIMI_K3_REHEARSAL_RELEASED_CACHE
-  {...}", the allocator cache each sampled capture released and what allocated it;
+  {...}", the allocator cache each sampled capture released and what allocated it; and (``profile_peak``)
+  "KIMI_K3_REHEARSAL_PROFILE_PEAK {...}", the profile run's allocated and requested peaks;
 - torch: "CUDA out of memory. Tried to allocate X GiB. GPU g has a total capacity of T GiB of which F MiB is free".
 vLLM rounds GiB to 2 decimals (``format_gib``), so each value read here is exact to +-0.005 GiB.
 
@@ -30,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_k3_serve.rehearsal import graph_samples
+from kimi_k3_serve.rehearsal import graph_samples, profile_peak
 from kimi_k3_serve.units import GiB, MiB
 
 STEPS = ("start", "load", "profile", "kv_cache", "warmup", "cuda_graphs", "serving")
@@ -65,6 +66,7 @@ _OOM_PLAIN = re.compile(r"(torch\.OutOfMemoryError|CUDA out of memory|No availab
 _FULL_GRAPHS = re.compile(rf"{graph_samples.MARKER} (\{{.*\}})")
 """The rehearsal's plugin line (``graph_samples``, a module of standard-library imports only)."""
 _RELEASED_CACHE = re.compile(rf"{graph_samples.CACHE_MARKER} (\{{.*\}})")
+_PROFILE_PEAK = re.compile(rf"{profile_peak.MARKER} (\{{.*\}})")
 _MARKERS = (
     ("load", re.compile(r"Starting to load model|Loading model from scratch|is assigned as")),
     ("profile", _LOADED),
@@ -122,6 +124,11 @@ class WorkerReading:
     full_graph_extrapolated_bytes: int | None = None
     """What vLLM's estimate charged for its ``full_graphs`` FULL graphs: the first sample + the rest at the second's."""
     released_caches: tuple[ReleasedCache, ...] = ()
+    profile_allocated_peak_bytes: int | None = None
+    """The profile run's torch peak as vLLM reads it, whole allocator blocks (``profile_peak``; with weights)."""
+    profile_requested_peak_bytes: int | None = None
+    """The same run's peak of the bytes its tensors asked for: the difference is at least what the allocator charged
+    beyond them at the peak."""
 
     @property
     def non_torch_bytes(self) -> int | None:
@@ -259,6 +266,11 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
                 segments=tuple((int(size), int(count)) for size, count in logged.get("segments", ())),
                 sites=tuple((str(site), int(size), int(count)) for site, size, count in logged.get("sites", ())),
                 untraced_bytes=int(logged.get("untraced", 0))),)
+        elif m := _PROFILE_PEAK.search(line):
+            logged = json.loads(m[1])
+            if logged.get("scope") != "load_model":  # the weights' load enters the same allocator scope first
+                worker(int(logged["pid"])).update(profile_allocated_peak_bytes=int(logged["allocated_peak"]),
+                                                  profile_requested_peak_bytes=int(logged["requested_peak"]))
         elif m := _FULL_GRAPHS.search(line):
             sampled = json.loads(m[1])
             worker(int(sampled["pid"])).update(full_graph_samples=tuple(sampled["samples"]),
