@@ -72,6 +72,19 @@ def last_logged_int(pattern: str, text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
+def run_with_rehearsal_plugin(code: str, folder: Path) -> str:
+    """``code`` run by this Python with the rehearsal's vLLM plugin installed in ``folder`` and on its path, and every
+    plugin vLLM finds allowed, as an engine process would have it; returns what it printed (it must exit 0)."""
+    from kimi_k3_serve.rehearsal import graph_samples
+
+    path = os.pathsep.join(p for p in (str(graph_samples.install(folder)), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop("VLLM_PLUGINS", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
 def free_port() -> int:
     return free_loopback_port()
 

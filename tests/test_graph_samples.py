@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+from conftest import run_with_rehearsal_plugin
 from kimi_k3_serve import recorded
 from kimi_k3_serve.rehearsal import graph_samples
 from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
@@ -26,11 +25,7 @@ print("floor:", cudagraph_utils._extrapolate_full_graph_memory([412 * 2**20, 0],
 
 
 def test_the_plugin_logs_the_full_graph_samples_and_leaves_vllms_answer_unchanged(tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(graph_samples.install(tmp_path / "plugin"))}
-    env.pop("VLLM_PLUGINS", None)
-    run = subprocess.run([sys.executable, "-c", ENGINE_PROCESS], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = run.stdout
+    out = run_with_rehearsal_plugin(ENGINE_PROCESS, tmp_path / "plugin")
     assert "imported by the plugin: False" in out  # loading plugins does not import vLLM's worker code
     assert f"answer: {(412 + 47 * 2) * MiB}" in out  # the first sample + 47 x the second: vLLM's own answer
     assert f"floor: {(412 + 47) * MiB}" in out  # a second sample under 1 MiB is charged 1 MiB
@@ -146,12 +141,7 @@ def test_the_plugin_counts_vllms_sampled_full_captures_inside_its_profiling_scop
     """On the real vLLM: the plugin wraps cudagraph_utils' ``capture_outside_cumem_pool`` (entered by
     ``profile_cudagraph_memory`` alone) and ``capture_pool`` (entered for each FULL capture), both still doing what
     vLLM's do. Without a GPU there is no allocator to log; on the H200 the first two captures log the cache."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(graph_samples.install(tmp_path / "plugin")),
-                                                        os.environ.get("PYTHONPATH", "")))}
-    env.pop("VLLM_PLUGINS", None)
-    run = subprocess.run([sys.executable, "-c", SCOPE_PROCESS], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = run.stdout
+    out = run_with_rehearsal_plugin(SCOPE_PROCESS, tmp_path / "plugin")
     assert "outside profiling: 0" in out and "pool: (7, 1) counted: 0" in out  # the real capture: not counted
     assert "vLLM's own scope still set: True" in out
     assert "captures in profiling: 3 pool: (7, 1)" in out

@@ -4,11 +4,8 @@ it writes on a GPU is read back per worker, the profile's and not the weights' l
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-from kimi_k3_serve.rehearsal import graph_samples, profile_peak
+from conftest import run_with_rehearsal_plugin
+from kimi_k3_serve.rehearsal import profile_peak
 from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 from kimi_k3_serve.units import GiB, MiB
 
@@ -30,12 +27,7 @@ print(determine_available_memory(), flush=True)
 
 
 def test_the_plugin_wraps_the_workers_allocator_scope_and_leaves_it_working(tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(graph_samples.install(tmp_path / "plugin")),
-                                                        os.environ.get("PYTHONPATH", "")))}
-    env.pop("VLLM_PLUGINS", None)
-    run = subprocess.run([sys.executable, "-c", ENGINE_PROCESS], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = run.stdout
+    out = run_with_rehearsal_plugin(ENGINE_PROCESS, tmp_path / "plugin")
     assert "imported by the plugin: False" in out  # loading plugins does not import vLLM's worker
     assert "wrapped: True" in out and "inside the scope" in out and "returned" in out
     assert profile_peak.MARKER not in out  # no CUDA allocator here: nothing to log
