@@ -29,16 +29,15 @@ Python frames, recorded from the end of the first sampled capture to the start o
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.util
 import json
 import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from kimi_k3_serve.rehearsal import profile_peak
+from kimi_k3_serve.rehearsal.import_hook import wrap_on_import
 
 MARKER = "KIMI_K3_REHEARSAL_FULL_GRAPHS"
 CACHE_MARKER = "KIMI_K3_REHEARSAL_RELEASED_CACHE"
@@ -56,37 +55,6 @@ def register() -> None:
     import vLLM's worker code into every process that loads plugins (the rehearsal's own among them, before its
     engine forks), and nothing here may stop an engine from starting."""
     wrap_on_import(_MODULE, _wrap)
-
-
-def wrap_on_import(name: str, wrap: Callable[[Any], None]) -> None:
-    """Call ``wrap`` on module ``name`` now if it is imported, else once its import has run it."""
-    module = sys.modules.get(name)
-    if module is not None:
-        wrap(module)
-    elif not any(isinstance(f, _WrapOnImport) and f.name == name for f in sys.meta_path):
-        sys.meta_path.insert(0, _WrapOnImport(name, wrap))
-
-
-class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Finds module ``name`` as the rest of ``sys.meta_path`` would, and wraps it once the module has run."""
-
-    def __init__(self, name: str, wrap: Callable[[Any], None]) -> None:
-        self.name, self.wrap = name, wrap
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            run_module = spec.loader.exec_module
-
-            def exec_and_wrap(module) -> None:
-                run_module(module)
-                self.wrap(module)
-
-            spec.loader.exec_module = exec_and_wrap
-        return spec
 
 
 def _wrap(module) -> None:

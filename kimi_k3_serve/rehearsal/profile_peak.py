@@ -24,16 +24,15 @@ import os
 import sys
 from typing import Any, Mapping
 
+from kimi_k3_serve.rehearsal.import_hook import wrap_on_import
+
 MARKER = "KIMI_K3_REHEARSAL_PROFILE_PEAK"
 PLUGIN_NAME = "kimi_k3_rehearsal_profile_peak"
 _MODULE = "vllm.v1.worker.gpu_worker"
 
 
 def register() -> None:
-    """vLLM's general-plugin hook: wraps the scope once vLLM imports the worker module itself (see
-    ``graph_samples.wrap_on_import``)."""
-    from kimi_k3_serve.rehearsal.graph_samples import wrap_on_import
-
+    """vLLM's general-plugin hook: wraps the scope once vLLM imports the worker module itself."""
     wrap_on_import(_MODULE, _wrap)
 
 
