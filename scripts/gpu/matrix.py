@@ -394,6 +394,21 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b12288-s16-dspark-h100", 4, tokens=12288, seqs=16, role="validation", expected_s=150),
         kimi("k4-tp1-b3072-s32-dspark-h100", 4, tokens=3072, seqs=32, role="validation", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-second session), before these run, for an H100 80GB. All four are validation
+    # runs. The first two are one shape with and without DSpark, for the plugin's first reading of the profile's
+    # allocated and requested peaks (rehearsal/profile_peak.py): does DSpark's KDA-layer peak hold whole allocator
+    # blocks beyond what it asked for (DSPARK_KDA_PEAK_HIDDEN_COPIES moves the DSpark run 0.14 GiB)? The last two
+    # test the proposed largest safe utilization on the H100: at 256 sequences FlashKDA's buffers (3.64 GiB) are
+    # allocated after vLLM sizes the KV cache, and the plan, on the catalogue's measured H100 total, proposes 0.945
+    # and predicts a warmup OOM from 0.95 on. A 4-layer start took 102 to 121 s on a warm H100 host (round 24).
+    "ranks-round22-h100": [
+        kimi("k4-tp1-b8192-s32-nodraft-h100", 4, tokens=8192, seqs=32, draft=None, role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s32-dspark-h100", 4, tokens=8192, seqs=32, role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s256-dspark-u0945-h100", 4, tokens=8192, seqs=256, util=0.945, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b8192-s256-dspark-u095-h100", 4, tokens=8192, seqs=256, util=0.95, role="validation",
+             expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
