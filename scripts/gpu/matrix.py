@@ -400,7 +400,10 @@ SETS: dict[str, list[Job]] = {
     # blocks beyond what it asked for (DSPARK_KDA_PEAK_HIDDEN_COPIES moves the DSpark run 0.14 GiB)? The last two
     # test the proposed largest safe utilization on the H100: at 256 sequences FlashKDA's buffers (3.64 GiB) are
     # allocated after vLLM sizes the KV cache, and the plan, on the catalogue's measured H100 total, proposes 0.945
-    # and predicts a warmup OOM from 0.95 on. A 4-layer start took 102 to 121 s on a warm H100 host (round 24).
+    # and predicts a warmup OOM from 0.95 on. The fifth, with no draft, has FlashKDA's prefill buffers outgrow the
+    # MoE buffers in warmup (608 MiB at 2,048 tokens; the plan says 1,382 MiB at 96 sequences): vLLM logs the size
+    # (VLLM_DEBUG_WORKSPACE), to score the kernel's workspace at a shape no run had. A 4-layer start took 102 to 121 s
+    # on a warm H100 host (round 24).
     "ranks-round22-h100": [
         kimi("k4-tp1-b8192-s32-nodraft-h100", 4, tokens=8192, seqs=32, draft=None, role="validation", expected_s=150),
         kimi("k4-tp1-b8192-s32-dspark-h100", 4, tokens=8192, seqs=32, role="validation", expected_s=150),
@@ -408,6 +411,7 @@ SETS: dict[str, list[Job]] = {
              expected_s=150),
         kimi("k4-tp1-b8192-s256-dspark-u095-h100", 4, tokens=8192, seqs=256, util=0.95, role="validation",
              expected_s=150),
+        kimi("k4-tp1-b2048-s96-nodraft-h100", 4, tokens=2048, seqs=96, draft=None, role="validation", expected_s=150),
     ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
