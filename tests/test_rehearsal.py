@@ -20,6 +20,7 @@ from kimi_k3_serve.planning import bands
 from kimi_k3_serve.planning.hardware import lookup_gpu
 from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.planning.memory import estimate_memory
+from kimi_k3_serve.planning.report import build_report
 from kimi_k3_serve.models import inventory_from_config, load_model, read_config
 from kimi_k3_serve.models.inventory import KdaState, MlaKv
 from kimi_k3_serve.rehearsal.compare import compare, measured_verdict, render_table
@@ -548,6 +549,9 @@ def test_the_proposed_utilization_leaves_room_for_flashkdas_band() -> None:
         banded_fits = rank.after_kv_bytes + rank.after_kv_band_bytes <= rank.headroom_bytes
         if point_fits and not banded_fits:
             assert r.verdict == "at_risk" and any("FlashKDA's kernel scratch" in n for n in r.notes)
+            said = build_report(model_name="slice", cluster_source="test", gpu_name="H200", memory=r, placements=None,
+                                optimisations=None, seconds=0.0).verdict
+            assert "OOM in warmup" in said and "gpu_memory_utilization to 0.9" in said, said
         elif banded_fits:
             assert r.verdict == "fits"
     safe = r.safe_gpu_memory_utilization
