@@ -17,7 +17,6 @@ Each run is marked ``fit`` when its numbers set one of the model's fitted consta
 from __future__ import annotations
 
 import argparse
-import re
 import json
 import os
 import statistics
@@ -37,7 +36,7 @@ import make_kimi_slice  # noqa: E402
 import matrix  # noqa: E402
 
 from kimi_k3_serve import recorded  # noqa: E402
-from kimi_k3_serve.units import GiB, MiB  # noqa: E402
+from kimi_k3_serve.units import GiB  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 HOST_SLICE_LAYERS = 4
@@ -391,46 +390,8 @@ def render(runs: list[RunAccuracy]) -> str:
         label = band.name + (" (other families)" if band is PROFILE_OTHER_FAMILIES else "")
         lines.append(f"| {label} | max({band.floor_bytes / GiB:.2f} GiB, {band.fraction * 100:.1f} %) | "
                      f"{worst[0] / GiB:+.2f} GiB ({worst[1]}) | {band.measured} |")
-    lines += ["", *_flashkda_lines()]
+    lines.append("")
     return "\n".join(lines)
-
-
-FLASHKDA_GROWTH = re.compile(r"Resized workspace from 'kda\.py:\d+:_forward': [0-9.]+ MB -> ([0-9.]+) MB \(ubatch 0, lane 0\)")
-
-
-def flashkda_growths() -> list[tuple[str, int, int, int]]:
-    """(run, plan's FlashKDA buffers, their band, vLLM's logged lane) for every run where FlashKDA grew vLLM's
-    shared workspace in warmup (VLLM_DEBUG_WORKSPACE)."""
-    rows = []
-    for run_dir in run_dirs():
-        grown = FLASHKDA_GROWTH.findall(recorded.read_text(run_dir / "vllm.log", errors="replace"))
-        if grown:
-            report, _ = predict_run(run_dir)
-            planned = next(e for e in report.estimates if e.name == "workspace:flashkda")
-            rows.append((run_dir.name, planned.bytes, planned.margin_bytes, round(float(grown[-1]) * MiB)))
-    return rows
-
-
-def _flashkda_lines() -> list[str]:
-    from kimi_k3_serve.planning.bands import FLASHKDA_SCRATCH
-
-    lines = [
-        "## The band the proposed utilization takes: FlashKDA's kernel scratch",
-        "",
-        "FlashKDA's prefill buffers are allocated in warmup, after vLLM sizes the KV cache: where they outgrow the "
-        "shared workspace, the growth must fit outside the budget. Their output and states are exact shapes; the "
-        "kernel's scratch is a share of the states, fitted on one run. The proposed largest safe "
-        "`gpu_memory_utilization` and the verdict take the scratch at the top of its band "
-        f"({FLASHKDA_SCRATCH.fraction * 100:.0f} % of it): where the growth fits outside the budget only at the point "
-        "estimate, the verdict is \"at risk\".",
-        "",
-        "| run | plan MiB (band) | vLLM's workspace MiB | plan - vLLM |",
-        "| --- | --- | --- | --- |",
-    ]
-    for name, planned, band, logged in flashkda_growths():
-        lines.append(f"| {name} | {planned / MiB:,.0f} (+{band / MiB:,.0f}) | {logged / MiB:,.0f} | "
-                     f"{(planned - logged) / MiB:+,.0f} MiB |")
-    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,6 @@ from kimi_k3_serve.planning import bands
 from kimi_k3_serve.planning.hardware import lookup_gpu
 from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.planning.memory import estimate_memory
-from kimi_k3_serve.planning.report import build_report
 from kimi_k3_serve.models import inventory_from_config, load_model, read_config
 from kimi_k3_serve.models.inventory import KdaState, MlaKv
 from kimi_k3_serve.rehearsal.compare import compare, measured_verdict, render_table
@@ -521,43 +520,6 @@ def test_plan_names_the_warmup_oom_and_a_safe_utilization() -> None:
         max_model_len=8192, max_num_seqs=1024, max_num_batched_tokens=16384, speculative=spec,
         gpu_memory_utilization=r.safe_gpu_memory_utilization), H200)
     assert safe.verdict == "fits"
-
-
-def test_flashkda_band_covers_every_growth_vllm_logged() -> None:
-    """Where FlashKDA's prefill buffers grew vLLM's shared workspace in warmup (VLLM_DEBUG_WORKSPACE), the plan's
-    buffers with the kernel scratch at the top of its band are at least what vLLM logged: without the band, the
-    full-width 8-layer run at 512 sequences is 325 MiB short."""
-    growths = accuracy.flashkda_growths()
-    assert {name for name, *_ in growths} >= {"k8-tp1-b8192-s512-nodraft", "r49-s0-b2048-s512"}
-    for name, planned, band, logged in growths:
-        assert planned + band >= logged, (name, planned / 2**20, band / 2**20, logged / 2**20)
-
-
-def test_the_proposed_utilization_leaves_room_for_flashkdas_band() -> None:
-    """A 4-layer slice without a draft at 8,192 tokens and 512 sequences: FlashKDA's buffers outgrow the MoE buffers
-    in warmup, after the KV cache. Where they fit outside the budget only at the point estimate, the verdict is "at
-    risk"; the proposed utilization leaves room for the band too, and fits."""
-    slice4 = inventory_from_config(slice_text_config(read_config("kimi-k3")[0], 4), name="slice")
-    verdicts = {}
-    for util in (x / 1000 for x in range(850, 991)):  # finer than the band (0.33 GiB, 0.0022 of an H200)
-        r = estimate_memory(slice4, Layout(), EngineSettings(max_model_len=8192, max_num_seqs=512,
-                                                             max_num_batched_tokens=8192, gpu_memory_utilization=util), H200)
-        rank = r.ranks[0]
-        assert rank.after_kv_band_bytes > 0
-        verdicts[util] = r.verdict
-        point_fits = rank.after_kv_bytes <= rank.headroom_bytes
-        banded_fits = rank.after_kv_bytes + rank.after_kv_band_bytes <= rank.headroom_bytes
-        if point_fits and not banded_fits:
-            assert r.verdict == "at_risk" and any("FlashKDA's kernel scratch" in n for n in r.notes)
-            said = build_report(model_name="slice", cluster_source="test", gpu_name="H200", memory=r, placements=None,
-                                optimisations=None, seconds=0.0).verdict
-            assert "OOM in warmup" in said and "gpu_memory_utilization to 0.9" in said, said
-        elif banded_fits:
-            assert r.verdict == "fits"
-    safe = r.safe_gpu_memory_utilization
-    assert "at_risk" in verdicts.values() and verdicts[safe] == "fits"
-    assert all(v == "fits" for u, v in verdicts.items() if u <= safe)
-    assert all(v != "fits" for u, v in verdicts.items() if u > safe)
 
 
 def test_table_sets_plan_beside_vllm_per_gpu() -> None:

@@ -60,19 +60,7 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "(ranks-round16); at stage 1's TP8 rank with DSpark, 40, 76, 64, 60, 42 and 84 MiB cached at the "
                    "second sample at 20, 24, 28, 35, 42 and 48 sequences. The history: docs/gpu-runs.md, "
                    "\"The bands' history\"")
-FLASHKDA_SCRATCH = Band("flashkda_scratch", 0.34, 0,
-                        "k8-tp1-b8192-s512-nodraft: vLLM's workspace grew to 7,632 MiB in warmup for FlashKDA at 8,192 "
-                        "tokens, 96 heads and 512 sequences, where the plan has 7,307 MiB: its kernel scratch 971 MiB "
-                        "against vLLM's 1,296 (-325 MiB, 34 % of the plan's). The scratch share was fitted on one run "
-                        "at 1,024 sequences (k4-tp1-b8192-s1024-nodraft), so this run scores it out of sample; the "
-                        "other logged growth, stage 0's TP8 rank at 2,048 tokens and 512 sequences "
-                        "(r49-s0-b2048-s512), is +20 MiB, the safe side. The band is taken against what vLLM "
-                        "allocates after sizing the KV cache, which must fit outside the budget")
-"""FlashKDA's kernel workspace (``torch.ops._flashkda_C.get_workspace_size``, a C++ function) as the plan estimates
-it: a share of the recurrent-state buffers (``optimisations.FLASHKDA_SCRATCH_FRACTION``). The output and the two
-states beside it are exact shapes (``kda.py``)."""
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
-"""The bands taken against a KV pool."""
 
 
 def kv_band_bytes(weights_bytes: int, profile_bytes: int, cuda_graph_bytes: int, kimi_k3: bool = True) -> int:

@@ -220,8 +220,6 @@ class StageCosts:
     """Workspaces vLLM's profile sees: taken from the KV budget."""
     after_kv_bytes: int
     """Allocated after vLLM sizes the KV cache: must fit outside the budget."""
-    after_kv_band_bytes: int
-    """What ``after_kv_bytes`` may be short by: the measured bands of its estimated parts (``bands.FLASHKDA_SCRATCH``)."""
 
     @property
     def non_kv_bytes(self) -> int:
@@ -265,8 +263,7 @@ class RankMemory(StageCosts):
             "non_torch_bytes": self.non_torch_bytes, "workspace_bytes": self.workspace_bytes, "draft_bytes": self.draft_bytes,
             "budget_bytes": self.budget_bytes, "kv_cache_bytes": self.kv_cache_bytes, "num_blocks": self.num_blocks,
             "shortfall_bytes": self.shortfall_bytes, "headroom_bytes": self.headroom_bytes,
-            "after_kv_bytes": self.after_kv_bytes, "after_kv_band_bytes": self.after_kv_band_bytes,
-            "warmup_shortfall_bytes": self.warmup_shortfall_bytes,
+            "after_kv_bytes": self.after_kv_bytes, "warmup_shortfall_bytes": self.warmup_shortfall_bytes,
         }
 
 
@@ -509,7 +506,7 @@ def estimate_memory(
         has_kda = _memo(model).get(("has_kda", start, end))
         if has_kda is None:
             has_kda = _memo(model)[("has_kda", start, end)] = any(isinstance(model.layers[i].kv, KdaState) for i in range(start, end))
-        flashkda = flashkda_band = 0
+        flashkda = 0
         for item in optimisations.items:
             if not item.on or not item.workspace_bytes:
                 continue
@@ -517,7 +514,6 @@ def estimate_memory(
                 continue
             if item.name == "flashkda":
                 flashkda = item.workspace_bytes  # shares lane 0 of vLLM's workspace: see shared_workspace below
-                flashkda_band = item.margin_bytes
             elif item.after_kv:
                 after_kv += item.workspace_bytes
             else:
@@ -527,9 +523,6 @@ def estimate_memory(
                 estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
         shared = shared_workspace(model, layout, engine, s, start, end, mnbt, seqs, flashkda, cc)
         after_kv += shared.unseen_bytes
-        # The kernel's scratch at the top of its band: lane 0 grows more, or FlashKDA outgrows it where it did not.
-        after_kv_band = shared_workspace(model, layout, engine, s, start, end, mnbt, seqs, flashkda + flashkda_band,
-                                         cc).unseen_bytes - shared.unseen_bytes
         if shared.unseen_bytes:
             estimates.append(Estimate("workspace:shared_unseen", s, shared.unseen_bytes, 0, shared.describe()))
         slack = _stage_allocator_bytes(model, layout, engine, s, start, end, ep_size, sp, allocator_slack_bytes)
@@ -566,7 +559,7 @@ def estimate_memory(
                                   "2026-11-30 to 2026-12-05), 2.1 GiB TP>2 (llm-d, H100)"
                                   + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
-        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv, after_kv_band))
+        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
     rank_stage = [layout.stage_of_rank(r) for r in range(world)]
@@ -609,7 +602,7 @@ def estimate_memory(
             block_size=block_size, page_bytes=page, bytes_per_block=bpb, state_bytes_per_seq=state_blocks * bpb,
             num_blocks=pool.num_blocks_per_worker[r], shortfall_bytes=shortfall,
             headroom_bytes=headroom, local_layers=len(local[s]),
-            after_kv_bytes=c.after_kv_bytes, after_kv_band_bytes=c.after_kv_band_bytes,
+            after_kv_bytes=c.after_kv_bytes,
             warmup_shortfall_bytes=max(0, c.after_kv_bytes - max(headroom, 0)) if c.after_kv_bytes else 0,
         ))
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
@@ -631,13 +624,6 @@ def estimate_memory(
                          f"(each decoding sequence holds a state block), {short / GiB:.2f} GiB short, within the "
                          f"{max(bands) / GiB:.2f} GiB its measured error bands allow either way; vLLM may refuse "
                          f"(max_num_seqs > num_blocks) or start")
-    warm_risk = max(ranks, key=lambda x: x.after_kv_bytes + x.after_kv_band_bytes - max(x.headroom_bytes, 0))
-    if verdict == "fits" and warm_risk.after_kv_bytes + warm_risk.after_kv_band_bytes > max(warm_risk.headroom_bytes, 0):
-        verdict = "at_risk"
-        notes.append(f"at risk: rank {warm_risk.rank}'s {warm_risk.after_kv_bytes / GiB:.2f} GiB allocated after the KV "
-                     f"cache fits outside the budget ({max(warm_risk.headroom_bytes, 0) / GiB:.2f} GiB), not with "
-                     f"FlashKDA's kernel scratch at the top of its measured band (+"
-                     f"{warm_risk.after_kv_band_bytes / GiB:.2f} GiB); vLLM may OOM in warmup")
     fits = verdict == "fits"
     if verdict == "seqs_over_state_blocks":
         notes.append(
@@ -804,12 +790,11 @@ def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Seq
 
 
 def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world: int, cc: tuple[int, int]) -> float | None:
-    """The largest utilization (a multiple of 0.005) at which every rank's after-KV allocations fit outside the budget,
-    with their measured band against them."""
+    """The largest utilization (a multiple of 0.005) at which every rank's after-KV allocations fit outside the budget."""
     outside = _outside_budget(model, world, cc)
     best = 1.0
     for r in ranks:
-        room = r.total_bytes - outside - r.after_kv_bytes - r.after_kv_band_bytes
+        room = r.total_bytes - outside - r.after_kv_bytes
         if room <= 0:
             return None
         best = min(best, math.floor(room / r.total_bytes * 200) / 200)

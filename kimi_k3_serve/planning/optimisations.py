@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kimi_k3_serve.planning.bands import FLASHKDA_SCRATCH
 from kimi_k3_serve.planning.layout import EngineSettings, Layout
 from kimi_k3_serve.models.inventory import KdaState, ModelInventory
 from kimi_k3_serve.units import MiB, round_up
@@ -30,7 +29,7 @@ FLASHKDA_SCRATCH_FRACTION = 0.158
 buffers. Fitted on one H200 run (fit run k4-tp1-b8192-s1024-nodraft, tests/fixtures/gpu/2026-11-30: no draft, so
 FlashKDA alone grew vLLM's shared workspace, to 14.09 GiB for T=8192, N=1024, TP1, where the output and the two states
 are 12.19 GiB). The earlier fit (0.10) read the OOM of a run with DSpark, which TRITON_MLA's decode logits cause
-(planning/workspace.py). Margin: its measured band, ``bands.FLASHKDA_SCRATCH``."""
+(planning/workspace.py). Margin: the same amount again."""
 LATENT_MOE_TAIL_BYTES = 28 * MiB
 """Symmetric Lamport buffers of the fused latent-MoE tail at TP8 (kimi-k3-facts.md 2.5; an estimate)."""
 
@@ -165,7 +164,7 @@ def decide_optimisations(
             items.append(OptimisationItem(
                 "flashkda", True, f"{arch}: FlashKDA prefill (buffers for T={mnbt}, N={seqs} and kernel scratch, allocated "
                 "after vLLM sizes the KV cache)", workspace_bytes=ws, estimate=True,
-                margin_bytes=FLASHKDA_SCRATCH.of(int(states * FLASHKDA_SCRATCH_FRACTION)), after_kv=True,
+                margin_bytes=max(64 * MiB, int(states * FLASHKDA_SCRATCH_FRACTION)), after_kv=True,
             ))
 
     # Latent-MoE tail fusion.

@@ -168,13 +168,6 @@ def build_report(
                    f"measured error band against it; {float(memory.banded_max_concurrency):.2f} requests of "
                    f"{memory.engine.max_model_len} tokens at once ({float(memory.max_concurrency):.2f} at the point "
                    "estimates)")
-    elif memory.verdict == "at_risk" and any(r.after_kv_bytes + r.after_kv_band_bytes > max(r.headroom_bytes, 0)
-                                             for r in memory.ranks):
-        safe = memory.safe_gpu_memory_utilization
-        verdict = (f"at risk: {layout.describe()} on {layout.world_size} x {gpu_name} fits at the plan's point estimates, "
-                   "but what vLLM allocates after sizing the KV cache (FlashKDA's prefill buffers) fits outside the "
-                   "budget only without its measured band; vLLM may OOM in warmup"
-                   + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
     elif memory.verdict == "at_risk":
         verdict = (f"at risk: {layout.describe()} on {layout.world_size} x {gpu_name} fits at the plan's point estimates "
                    f"({float(memory.max_concurrency):.2f} requests of {memory.engine.max_model_len} tokens), not with "
