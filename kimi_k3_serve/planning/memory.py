@@ -522,9 +522,18 @@ def estimate_memory(
             if item.estimate:
                 estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
         shared = shared_workspace(model, layout, engine, s, start, end, mnbt, seqs, flashkda, cc)
-        after_kv += shared.unseen_bytes
-        if shared.unseen_bytes:
-            estimates.append(Estimate("workspace:shared_unseen", s, shared.unseen_bytes, 0, shared.describe()))
+        if shared.after_kv_bytes and _flashkda_runs_in_graph_profile(engine, mnbt, seqs, cc):
+            # FlashKDA grows the workspace while vLLM profiles its CUDA graphs: its estimate, before the KV cache,
+            # holds the growth (k4-tp1-b2048-s96-nodraft-h100: 608 -> 1,483.5 MiB at the first PIECEWISE capture).
+            cg += shared.after_kv_bytes
+            cg_basis += f" + {shared.after_kv_bytes / MiB:,.0f} MiB of FlashKDA's buffers, grown while it is taken"
+            after_kv += shared.before_kv_bytes
+            estimates.append(Estimate("workspace:shared_unseen", s, shared.before_kv_bytes, 0,
+                                      shared.describe() + "; FlashKDA's growth is inside the CUDA-graph estimate"))
+        else:
+            after_kv += shared.unseen_bytes
+            if shared.unseen_bytes:
+                estimates.append(Estimate("workspace:shared_unseen", s, shared.unseen_bytes, 0, shared.describe()))
         slack = _stage_allocator_bytes(model, layout, engine, s, start, end, ep_size, sp, allocator_slack_bytes)
         if spec and s == layout.pp - 1:
             slack += _draft_allocator_bytes(model, draft, spec, layout, engine.load_format, allocator_slack_bytes)
@@ -1305,6 +1314,19 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         f"{CUDA_GRAPH_PER_LAYER[family] / MiB:.1f} MiB + {graphs_basis}{draft} (fitted on H200 fit runs, "
         f"scripts/fit_memory_constants.py)"
     )
+
+
+def _flashkda_runs_in_graph_profile(engine: EngineSettings, mnbt: int, seqs: int, cc: tuple[int, int]) -> bool:
+    """Whether vLLM's CUDA-graph profiling runs a KDA prefill, so FlashKDA asks for its buffers before the KV cache.
+    Each PIECEWISE capture is a dummy run of ``size`` tokens over ``min(size, max_num_seqs)`` requests
+    (v1/worker/gpu/model_runner.py ``_dummy_run``): past ``max_num_seqs`` x the decode query length, a request has more
+    tokens than a decode step, and KDA takes its prefill path (FlashKDA), which sizes its buffers for
+    ``max_num_batched_tokens`` and ``max_num_seqs`` whatever the batch. Seen at 96 sequences and 2,048 tokens (largest
+    capture 192, H100, round 25); at 512 sequences (largest 512, one token a request) FlashKDA grew in warmup."""
+    if engine.enforce_eager:
+        return False
+    query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
+    return cuda_graph_capture_sizes(seqs, query_len, mnbt, cc)[-1] > max(seqs, 1) * query_len
 
 
 def sampled_full_graphs_bytes(family: str, full_tokens: Sequence[int], target_heads: int) -> tuple[int, str]:

@@ -24,12 +24,29 @@ from kimi_k3_serve.planning.layout import EngineSettings, Layout
 from kimi_k3_serve.models.inventory import KdaState, ModelInventory
 from kimi_k3_serve.units import MiB, round_up
 
-FLASHKDA_SCRATCH_FRACTION = 0.158
-"""FlashKDA's kernel workspace (``get_workspace_size(T, H, N)``, a C++ function) as a share of its recurrent-state
-buffers. Fitted on one H200 run (fit run k4-tp1-b8192-s1024-nodraft, tests/fixtures/gpu/2026-11-30: no draft, so
-FlashKDA alone grew vLLM's shared workspace, to 14.09 GiB for T=8192, N=1024, TP1, where the output and the two states
-are 12.19 GiB). The earlier fit (0.10) read the OOM of a run with DSpark, which TRITON_MLA's decode logits cause
-(planning/workspace.py). Margin: the same amount again."""
+FLASHKDA_WORKSPACE_BYTES_PER_ROW = 13_824
+"""FlashKDA's kernel workspace, ``torch.ops._flashkda_C.get_workspace_size(T, H, N)`` (a C++ function of the compiled
+library), is 13,824 x H x (N + ceil(T / 16)) bytes: read from the library on the GPU host
+(scripts/gpu/flashkda_workspace.py, tests/fixtures/gpu/2026-12-06-round25/flashkda-workspace.json), exact on each of
+1,056 shapes (T 1 to 32,768, H 1 to 96, N 1 to 1,024). It replaces a share of the states fitted on one run (0.158),
+which was 325 MiB short of vLLM's logged workspace at 512 sequences (k8-tp1-b8192-s512-nodraft)."""
+WORKSPACE_ALIGN_BYTES = 256
+"""``WorkspaceManager.get_simultaneous`` rounds each buffer it hands out to 256 bytes (v1/worker/workspace.py)."""
+
+
+def flashkda_workspace_bytes(tokens: int, heads: int, seqs: int) -> int:
+    """``get_workspace_size(T, H, N)`` of FlashKDA's prefill kernel, for head_dim 128."""
+    return FLASHKDA_WORKSPACE_BYTES_PER_ROW * heads * (seqs - (-tokens // 16))
+
+
+def flashkda_buffers_bytes(tokens: int, heads: int, seqs: int, head_dim: int, state_bytes: int) -> int:
+    """What kda.py asks vLLM's shared workspace for at once: a (1, T, H, D) bf16 output, two (N, H, D, D) recurrent
+    states and the kernel's workspace, each rounded to 256 bytes."""
+    state = seqs * heads * head_dim * head_dim * state_bytes
+    parts = (tokens * heads * head_dim * 2, state, state, flashkda_workspace_bytes(tokens, heads, seqs))
+    return sum(round_up(part, WORKSPACE_ALIGN_BYTES) for part in parts)
+
+
 LATENT_MOE_TAIL_BYTES = 28 * MiB
 """Symmetric Lamport buffers of the fused latent-MoE tail at TP8 (kimi-k3-facts.md 2.5; an estimate)."""
 
@@ -158,13 +175,11 @@ def decide_optimisations(
         else:
             heads = kda.num_heads // layout.tp
             state_bytes = 2 if state_dtype == "bfloat16" else 4
-            # kda.py: (1, T, H, D) model dtype + two (N, H, D, D) recurrent-state buffers + the kernel's own workspace.
-            states = 2 * seqs * heads * kda.head_dim * kda.head_dim * state_bytes
-            ws = mnbt * heads * kda.head_dim * 2 + states + int(states * FLASHKDA_SCRATCH_FRACTION)
+            ws = flashkda_buffers_bytes(mnbt, heads, seqs, kda.head_dim, state_bytes)
             items.append(OptimisationItem(
-                "flashkda", True, f"{arch}: FlashKDA prefill (buffers for T={mnbt}, N={seqs} and kernel scratch, allocated "
-                "after vLLM sizes the KV cache)", workspace_bytes=ws, estimate=True,
-                margin_bytes=max(64 * MiB, int(states * FLASHKDA_SCRATCH_FRACTION)), after_kv=True,
+                "flashkda", True, f"{arch}: FlashKDA prefill (output, states and the kernel's workspace for T={mnbt}, "
+                f"N={seqs}, from kda.py's shapes and the library's get_workspace_size; allocated after vLLM sizes the KV "
+                "cache)", workspace_bytes=ws, estimate=True, after_kv=True,
             ))
 
     # Latent-MoE tail fusion.
