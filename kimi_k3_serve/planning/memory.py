@@ -102,7 +102,9 @@ tensor (0.011 to 0.131 GiB at 2,048 to 8,192 tokens), and without a draft the sa
 round 23). Fitted with ``NON_TORCH_TP1`` on ``PROFILE_FIT_RUNS`` (2026-12-05); the structure was chosen after the
 validation runs it moves had been read, so only runs defined after it score it: ``ranks-round21-h100`` (4 layers at
 3,072 to 12,288 tokens, on an H100 80GB, round 24) put the profile within 0.9 % of vLLM's, where it was 2.2 to 2.9 %
-under without the term; ``ranks-round20`` (5 to 8 layers, H200) has not run."""
+under without the term; ``ranks-round22-h100`` (8,192 tokens, round 25) within 0.5 %. It is requested memory, not the
+caching allocator's whole blocks: the profile's allocated peak was 18.7 MiB over the requested one with DSpark
+(12.4 MiB without), where the term adds 0.14 GiB. ``ranks-round20`` (5 to 8 layers, H200) has not run."""
 CUDA_GRAPH_PER_GRAPH = {"kimi_k3": int(10.85 * MiB), "default": 14 * MiB}
 """Per graph that vLLM's CUDA-graph estimate captures (``profile_cudagraph_memory``: the graphs captured into a
 throwaway pool), for the target model, before its layers: ``CUDA_GRAPH_PER_LAYER`` adds what each local layer adds
