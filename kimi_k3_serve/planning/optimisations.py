@@ -178,8 +178,9 @@ def decide_optimisations(
             ws = flashkda_buffers_bytes(mnbt, heads, seqs, kda.head_dim, state_bytes)
             items.append(OptimisationItem(
                 "flashkda", True, f"{arch}: FlashKDA prefill (output, states and the kernel's workspace for T={mnbt}, "
-                f"N={seqs}, from kda.py's shapes and the library's get_workspace_size; allocated after vLLM sizes the KV "
-                "cache)", workspace_bytes=ws, estimate=True, after_kv=True,
+                f"N={seqs}, from kda.py's shapes and the library's get_workspace_size; first asked for after vLLM's "
+                "memory profile: in warmup, or while it profiles CUDA graphs)", workspace_bytes=ws, estimate=True,
+                after_kv=True,
             ))
 
     # Latent-MoE tail fusion.
