@@ -4,7 +4,8 @@ it writes on a GPU is read back per worker, the profile's and not the weights' l
 
 from __future__ import annotations
 
-from conftest import run_with_rehearsal_plugin
+from conftest import REPO_ROOT, run_with_rehearsal_plugin
+from kimi_k3_serve import recorded
 from kimi_k3_serve.rehearsal import profile_peak
 from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 from kimi_k3_serve.units import GiB, MiB
@@ -82,9 +83,6 @@ def test_on_the_h100_the_profile_charged_little_beyond_the_tensors_with_dspark_o
     """Round 25 (H100 80GB), one shape with DSpark and without: vLLM's profile peak (allocated) was 12 to 19 MiB over
     what the tensors requested, far below the 0.14 GiB of hidden states DSPARK_KDA_PEAK_HIDDEN_COPIES adds there. The
     allocator's whole blocks are not that term."""
-    from conftest import REPO_ROOT
-    from kimi_k3_serve import recorded
-
     day = REPO_ROOT / "tests" / "fixtures" / "gpu" / "2026-12-06-round25"
     slack = {}
     for name in ("k4-tp1-b8192-s32-dspark-h100", "k4-tp1-b8192-s32-nodraft-h100"):

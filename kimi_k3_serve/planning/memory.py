@@ -524,18 +524,17 @@ def estimate_memory(
             if item.estimate:
                 estimates.append(Estimate(f"workspace:{item.name}", s, item.workspace_bytes, item.margin_bytes, item.reason))
         shared = shared_workspace(model, layout, engine, s, start, end, mnbt, seqs, flashkda, cc)
-        if shared.after_kv_bytes and _flashkda_runs_in_graph_profile(engine, mnbt, seqs, cc):
+        in_graphs = bool(shared.after_kv_bytes) and _flashkda_runs_in_graph_profile(engine, mnbt, seqs, cc)
+        if in_graphs:
             # FlashKDA grows the workspace while vLLM profiles its CUDA graphs: its estimate, before the KV cache,
             # holds the growth (k4-tp1-b2048-s96-nodraft-h100: 608 -> 1,483.5 MiB at the first PIECEWISE capture).
             cg += shared.after_kv_bytes
             cg_basis += f" + {shared.after_kv_bytes / MiB:,.0f} MiB of FlashKDA's buffers, grown while it is taken"
-            after_kv += shared.before_kv_bytes
-            estimates.append(Estimate("workspace:shared_unseen", s, shared.before_kv_bytes, 0,
-                                      shared.describe() + "; FlashKDA's growth is inside the CUDA-graph estimate"))
-        else:
-            after_kv += shared.unseen_bytes
-            if shared.unseen_bytes:
-                estimates.append(Estimate("workspace:shared_unseen", s, shared.unseen_bytes, 0, shared.describe()))
+        unseen = shared.before_kv_bytes if in_graphs else shared.unseen_bytes
+        after_kv += unseen
+        if unseen or in_graphs:
+            estimates.append(Estimate("workspace:shared_unseen", s, unseen, 0, shared.describe()
+                                      + ("; FlashKDA's growth is inside the CUDA-graph estimate" if in_graphs else "")))
         slack = _stage_allocator_bytes(model, layout, engine, s, start, end, ep_size, sp, allocator_slack_bytes)
         if spec and s == layout.pp - 1:
             slack += _draft_allocator_bytes(model, draft, spec, layout, engine.load_format, allocator_slack_bytes)
