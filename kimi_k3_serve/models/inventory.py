@@ -189,6 +189,20 @@ class MlaKv:
 
 
 @dataclass(frozen=True)
+class MlaProjections:
+    """The widths of an MLA layer's own tensors in a forward (vLLM 0.32 models/kimi_k3/nvidia/mla.py): what its
+    decode path holds, beside the latent cache ``MlaKv`` describes."""
+
+    q_lora_rank: int
+    """0: no q LoRA (a full-rank ``q_proj``)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    output_gate: bool
+
+
+@dataclass(frozen=True)
 class KdaState:
     """Kimi Delta Attention recurrent state (vLLM ``MambaStateShapeCalculator.kda_state_shape``)."""
 
@@ -304,6 +318,8 @@ class ModelInventory:
     max_model_len_limit: int = 0
     """The longest ``max_model_len`` vLLM accepts: ``max_position_embeddings`` times the RoPE factor vLLM applies to
     it (``_get_and_verify_max_len``); 0 when the config does not say."""
+    mla: MlaProjections | None = None
+    """A Kimi-K3 target's MLA widths, for the warmup forward's decode path (``planning/warmup.py``)."""
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- whole-model totals ------------------------------------------------------------------------

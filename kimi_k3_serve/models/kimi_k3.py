@@ -28,6 +28,7 @@ from kimi_k3_serve.models.inventory import (
     KdaState,
     LayerInventory,
     MlaKv,
+    MlaProjections,
     ModelInventory,
     TensorSpec,
 )
@@ -150,6 +151,11 @@ def build(config: Mapping[str, Any], architecture: str, *, name: str, source: st
         attn_res_block_size=int(r.get("attn_res_block_size") or 0),
         tp_divisors=(("num_attention_heads", heads), ("linear_attn_config.num_heads", kda.num_heads)),
         source=source or name,
+        mla=MlaProjections(
+            q_lora_rank=r.optional_count("q_lora_rank") or 0, kv_lora_rank=mla.kv_lora_rank,
+            qk_nope_head_dim=r.require("qk_nope_head_dim"), qk_rope_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=r.require("v_head_dim"), output_gate=bool(r.get("mla_use_output_gate", False)),
+        ),
     )
 
 
