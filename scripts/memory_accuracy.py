@@ -76,6 +76,10 @@ READ_BEFORE_A_CHANGE = {
                                      "grew vLLM's workspace while its CUDA graphs were profiled, before the KV cache, "
                                      "where the plan had it after (planning/memory.py _flashkda_runs_in_graph_profile, "
                                      "chosen on this run, 2026-12-06)",
+    "k4-tp1-b8192-s256-dspark-u0945-h100": "called \"fits\" at the utilization the plan proposed (0.945), where vLLM "
+                                           "ran out of memory in kernel warmup: the MLA decode path of warmup's "
+                                           "forward (planning/warmup.py) and its band (bands.WARMUP_MLA_DECODE) were "
+                                           "read and set on this run (2026-12-06); the plan now proposes 0.915",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

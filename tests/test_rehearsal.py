@@ -192,7 +192,8 @@ def test_flashkdas_buffers_are_what_vllm_logged_and_land_where_it_took_them() ->
         assert abs(flashkda.bytes - logged) <= 0.01 * 2**20, (run_dir.name, flashkda.bytes / 2**20, logged / 2**20)
         graphs = next(e for e in report.estimates if e.name == "cuda_graph_bytes").basis
         assert ("FlashKDA's buffers, grown while it is taken" in graphs) == before_kv, run_dir.name
-        assert (report.ranks[0].after_kv_bytes > 0) != before_kv, run_dir.name
+        unseen = next(e for e in report.estimates if e.name == "workspace:shared_unseen").bytes
+        assert (unseen > 0) != before_kv, run_dir.name  # outside the budget only when it grew after the KV cache
 
 
 DRAFT_LANE = re.compile(r"Resized workspace from 'triton_mla\.py:\d+:forward_mqa': [0-9.]+ MB -> ([0-9.]+) MB "
@@ -325,12 +326,7 @@ def test_deploy_configs_quote_their_ranks_kv_errors_as_the_fixtures_replay(runs)
         assert error == f"{replayed:+.2f}", f"{config} quotes {error} % for {name}; its fixture gives {replayed:+.2f} %"
 
 
-VERDICT_MISSES = {
-    "k4-tp1-b8192-s256-dspark-u0945-h100": "the plan's proposed safe utilization on an H100 (round 25): vLLM sized "
-    "the KV cache as predicted (7.69 GiB) and then ran out of memory in kernel warmup, in FlashInfer's autotune dummy "
-    "run at 8,192 tokens, allocating the MLA decode query (T x 96 heads x 576 x 2 B = 864 MiB) with 616 MiB free: "
-    "what that warmup forward holds is not modelled",
-}
+VERDICT_MISSES: dict[str, str] = {}
 """Validation runs the plan called "fits" where vLLM failed: listed, so that none is added unseen."""
 
 

@@ -36,9 +36,10 @@ from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInv
 from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.units import GiB, KiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
-from kimi_k3_serve.planning.bands import kv_band_bytes
+from kimi_k3_serve.planning.bands import WARMUP_MLA_DECODE, kv_band_bytes
 from kimi_k3_serve.planning.fused_allreduce import zero_residual
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
+from kimi_k3_serve.planning.warmup import FLASHMLA_DECODE_THRESHOLD, mla_base_bytes_per_token, mla_warmup_extra_bytes
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
 NON_TORCH_TP1 = int(300.70 * MiB)
@@ -253,6 +254,8 @@ class RankMemory(StageCosts):
     local_layers: int = 0
     warmup_shortfall_bytes: int = 0
     """How far ``after_kv_bytes`` overruns the headroom: vLLM would OOM during warmup by this much."""
+    after_kv_band_bytes: int = 0
+    """What ``after_kv_bytes`` may be short by (``bands.WARMUP_MLA_DECODE``): with it, the rank is at risk."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -266,6 +269,7 @@ class RankMemory(StageCosts):
             "budget_bytes": self.budget_bytes, "kv_cache_bytes": self.kv_cache_bytes, "num_blocks": self.num_blocks,
             "shortfall_bytes": self.shortfall_bytes, "headroom_bytes": self.headroom_bytes,
             "after_kv_bytes": self.after_kv_bytes, "warmup_shortfall_bytes": self.warmup_shortfall_bytes,
+            "after_kv_band_bytes": self.after_kv_band_bytes,
         }
 
 
@@ -482,6 +486,7 @@ def estimate_memory(
 
     # Per stage (exact) weights and (estimated) non-KV.
     stage_costs: list[StageCosts] = []
+    warmup_bands: list[int] = []
     estimates: list[Estimate] = []
     tp_nodes = {d.node_id for d in devs[:layout.tp] if d.node_id}
     spans_nodes = len(tp_nodes) > 1
@@ -496,12 +501,12 @@ def estimate_memory(
             weights += eplb_weights
             by_cat = {**by_cat, "routed_experts": by_cat.get("routed_experts", 0) + eplb_weights}
         draft_bytes = _draft_bytes(model, draft, spec, layout, s, engine.load_format) if spec else 0
-        act, act_margin, act_basis = _activation(model, layout, s, start, end, mnbt, seqs, draft,
-                                                 (spec.draft_tp or layout.tp) if spec else layout.tp,
-                                                 engine.max_model_len, block_size, num_spec)
+        act, act_margin, act_basis, warmup_peak = _activation(
+            model, layout, s, start, end, mnbt, seqs, draft, (spec.draft_tp or layout.tp) if spec else layout.tp,
+            engine.max_model_len, block_size, num_spec, cc)
         non_torch = (NON_TORCH_TP1 if layout.tp <= 2 else NON_TORCH_TP_MULTI) + nvls
         nt_margin = GiB if layout.tp > 1 else GiB // 4
-        cg, cg_margin, cg_basis = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
+        cg, cg_margin, cg_basis, cg_kept = _cuda_graph(model, layout, engine, s, start, end, mnbt, seqs, cc)
         ws = 0
         ws_margin = 0
         after_kv = 0
@@ -529,6 +534,7 @@ def estimate_memory(
             # FlashKDA grows the workspace while vLLM profiles its CUDA graphs: its estimate, before the KV cache,
             # holds the growth (k4-tp1-b2048-s96-nodraft-h100: 608 -> 1,483.5 MiB at the first PIECEWISE capture).
             cg += shared.after_kv_bytes
+            cg_kept += shared.after_kv_bytes
             cg_basis += f" + {shared.after_kv_bytes / MiB:,.0f} MiB of FlashKDA's buffers, grown while it is taken"
         unseen = shared.before_kv_bytes if in_graphs else shared.unseen_bytes
         after_kv += unseen
@@ -569,7 +575,21 @@ def estimate_memory(
                                   "2026-11-30 to 2026-12-05), 2.1 GiB TP>2 (llm-d, H100)"
                                   + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
-        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv))
+        # Kernel warmup runs before any graph is captured: what its forward holds over the profile's peak first fills
+        # the CUDA-graph estimate, less the workspace its profiling grew and kept; the rest must fit outside the budget.
+        warmup = warmup_band = 0
+        if warmup_peak.bytes and not engine.enforce_eager:
+            graphs_free = max(0, cg - cg_kept)
+            over = max(0, warmup_peak.bytes - act)
+            warmup = max(0, over - graphs_free)
+            warmup_band = max(0, over + WARMUP_MLA_DECODE.of(warmup_peak.decode_bytes) - graphs_free) - warmup
+            estimates.append(Estimate("warmup_mla_decode", s, over, WARMUP_MLA_DECODE.of(warmup_peak.decode_bytes),
+                                      warmup_peak.basis + f"; over the profile's peak by {over / GiB:.2f} GiB, "
+                                      f"{warmup / GiB:.2f} GiB of it beyond the {graphs_free / GiB:.2f} GiB of "
+                                      f"CUDA-graph estimate not yet captured; band "
+                                      f"{WARMUP_MLA_DECODE.fraction:.0%} of the decode path (planning/bands.py)"))
+        warmup_bands.append(warmup_band)
+        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv + warmup))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
     rank_stage = [layout.stage_of_rank(r) for r in range(world)]
@@ -614,16 +634,24 @@ def estimate_memory(
             headroom_bytes=headroom, local_layers=len(local[s]),
             after_kv_bytes=c.after_kv_bytes,
             warmup_shortfall_bytes=max(0, c.after_kv_bytes - max(headroom, 0)) if c.after_kv_bytes else 0,
+            after_kv_band_bytes=warmup_bands[s],
         ))
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
     full_graphs = bool(state_groups) and not engine.enforce_eager
     verdict = _verdict(ranks, devs, [stage_costs[s] for s in rank_stage], pool, seqs if full_graphs else 0)
+    warm_risk = max(ranks, key=lambda x: x.after_kv_bytes + x.after_kv_band_bytes - x.headroom_bytes)
     if verdict == "fits" and (any(banded.shortfall_bytes) or banded.num_blocks < banded.blocks_per_request
                               or (full_graphs and seqs > banded.num_blocks)):
         verdict = "at_risk"
         notes.append(f"at risk: it fits at the plan's point estimates, not with their measured error bands against it "
                      f"(up to {max(bands) / GiB:.2f} GiB of KV pool per GPU: weights, profile and CUDA graphs at the top "
                      f"of the errors their validation runs showed); vLLM may refuse or OOM")
+    elif verdict == "fits" and warm_risk.after_kv_bytes + warm_risk.after_kv_band_bytes > warm_risk.headroom_bytes:
+        verdict = "at_risk"
+        notes.append(f"at risk: kernel warmup fits outside the budget on rank {warm_risk.rank} at the plan's point "
+                     f"estimate ({warm_risk.after_kv_bytes / GiB:.2f} GiB of {warm_risk.headroom_bytes / GiB:.2f}), "
+                     f"not with the {warm_risk.after_kv_band_bytes / GiB:.2f} GiB band of its MLA decode path "
+                     f"(planning/bands.py); vLLM may OOM in warmup")
     elif verdict == "seqs_over_state_blocks" and max(bands) and min(pool.bytes_per_block):
         # The boundary is a count of blocks, which a fraction of a percent of the pool moves (vLLM made 513 blocks for
         # 512 sequences on k8-tp1-b8192-s512-nodraft): short by less than the bands, it may as well fit.
@@ -647,8 +675,8 @@ def estimate_memory(
             f"vLLM would OOM allocating the KV cache or in warmup on rank {warm.rank} by "
             f"{warm.warmup_shortfall_bytes / GiB:.2f} GiB: {warm.after_kv_bytes / GiB:.2f} GiB that vLLM's KV sizing does "
             f"not see (its shared workspace grown past the profile's: TRITON_MLA's decode logits for a DSpark draft "
-            f"before the KV cache, FlashKDA's prefill buffers in warmup; with enforce_eager at TP > 1, the fused "
-            f"all-reduce's residuals) and only "
+            f"before the KV cache, FlashKDA's prefill buffers in warmup; what kernel warmup's MLA decode path holds "
+            f"beyond the CUDA-graph estimate; with enforce_eager at TP > 1, the fused all-reduce's residuals) and only "
             f"{max(warm.headroom_bytes, 0) / GiB:.2f} GiB is left outside the budget"
             + (f"; gpu_memory_utilization {safe_util} or lower leaves room" if safe_util else ""))
     # The rank that decides: the one furthest short, else the one whose pool sets the engine's block count.
@@ -800,11 +828,12 @@ def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Seq
 
 
 def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world: int, cc: tuple[int, int]) -> float | None:
-    """The largest utilization (a multiple of 0.005) at which every rank's after-KV allocations fit outside the budget."""
+    """The largest utilization (a multiple of 0.005) at which every rank's after-KV allocations fit outside the budget,
+    with their band against them."""
     outside = _outside_budget(model, world, cc)
     best = 1.0
     for r in ranks:
-        room = r.total_bytes - outside - r.after_kv_bytes
+        room = r.total_bytes - outside - r.after_kv_bytes - r.after_kv_band_bytes
         if room <= 0:
             return None
         best = min(best, math.floor(room / r.total_bytes * 200) / 200)
@@ -1054,12 +1083,14 @@ def _padded_state(spec: StatePageSpec, attn_page: int) -> StatePageSpec:
 
 def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, end: int, mnbt: int, seqs: int,
                 draft: ModelInventory | None, draft_tp: int = 1, max_model_len: int = 0,
-                block_size: int = 0, num_spec: int = 0) -> tuple[int, int, str]:
+                block_size: int = 0, num_spec: int = 0,
+                cc: tuple[int, int] = (9, 0)) -> tuple[int, int, str, MlaWarmupPeak]:
     """Peak memory of vLLM's profile run besides weights: the larger of a MoE layer's forward at
     ``max_num_batched_tokens`` (then, on the last stage, the draft's step on top of the forward's output) and a KDA
     layer's forward (``kda_forward_peak_bytes_per_token``), plus, on the last stage, what grows with ``max_num_seqs``
     and is held throughout (``SAMPLER_FP32_VOCAB_COPIES``). An MLA EAGLE3 draft's own step can set the peak instead
-    (``eagle3_mla_profile_bytes``): the larger is taken."""
+    (``eagle3_mla_profile_bytes``): the larger is taken. Also the peak of the kernel-warmup forward's last MLA
+    layer, on the same terms (``planning/warmup.py``; 0 where the stage has no Kimi-K3 MLA layer), and its basis."""
     # With DP x EP, vLLM 0.32's default all2all (AgRsAll2AllManager, distributed/device_communicators/all2all.py;
     # MoEPrepareAndFinalizeNaiveDPEPModular, fused_moe/prepare_finalize/naive_dp_ep.py) all-gathers every DP rank's
     # tokens before the experts, so each rank's MoE runs on dp x the batch in the profile run.
@@ -1135,8 +1166,53 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                      + (f" + {DSPARK_KDA_PEAK_HIDDEN_COPIES:g} hidden states the draft adds there (fitted)"
                         if aux_layers else "") + f" over the MoE layers' peak and what follows it ({basis})")
             peak = kda_peak
+    warmup = _mla_warmup_peak(model, layout, start, end, mnbt, seqs, fwd, aux_layers, draft, num_spec, cc)
+    if warmup.bytes:
+        warmup = MlaWarmupPeak(warmup.bytes + held, warmup.decode_bytes, warmup.basis)
     peak += held
-    return peak, max(peak // 4, 256 * MiB), basis + held_basis + "; +-25% (H200 residuals <= 0.3 GiB)"
+    return peak, max(peak // 4, 256 * MiB), basis + held_basis + "; +-25% (H200 residuals <= 0.3 GiB)", warmup
+
+
+@dataclass(frozen=True)
+class MlaWarmupPeak:
+    """What kernel warmup's forward holds at its peak MLA layer, and how much of it is the decode path alone."""
+
+    bytes: int
+    decode_bytes: int
+    basis: str
+
+
+def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int, mnbt: int, seqs: int, fwd: int,
+                     aux_layers: Sequence[int], draft: ModelInventory | None, num_spec: int,
+                     cc: tuple[int, int]) -> MlaWarmupPeak:
+    """What the kernel-warmup forward holds at its last MLA layer's FlashMLA call, as the profile's KDA branch counts
+    a KDA layer's: the residual side of a layer that opens no block, the layer's own tensors
+    (``warmup.mla_base_bytes_per_token``) and its decode or prefill part (``warmup.mla_warmup_extra_bytes``), the
+    aux hidden states captured before it (and, with DSpark, the fitted held copies), and the MoE workspace once a MoE
+    layer has run before it. Zero where the stage has no MLA layer or the model is not Kimi-K3."""
+    mla = model.mla
+    mla_layers = [i for i in range(start, end) if isinstance(model.layers[i].kv, MlaKv)]
+    if mla is None or not mla_layers or not model.attn_res_block_size:
+        return MlaWarmupPeak(0, 0, "")
+    b = DTYPE_BITS[model.dtype] // 8
+    heads = max(1, model.num_attention_heads // layout.tp)
+    last = mla_layers[-1]
+    query_per_request = (num_spec if draft.family == "dspark" else 1) if draft is not None else 0
+    extra, decode, batch = mla_warmup_extra_bytes(mnbt, seqs, query_per_request, mla, heads, b, cc)
+    residual_side = cdiv(end, model.attn_res_block_size) + 3
+    per_token = b * model.hidden_size * residual_side + mla_base_bytes_per_token(mla, heads, b)
+    moe_before = any(model.layers[i].mlp == "moe" for i in range(start, last))
+    workspace = fwd - mnbt * kimi_forward_peak_bytes_per_token(model, start, end) if moe_before else 0
+    aux = _aux_held_bytes(model, aux_layers, start, last, mnbt)
+    if aux_layers:
+        aux += int(hidden_state_bytes(model, mnbt) * DSPARK_KDA_PEAK_HIDDEN_COPIES)
+    peak = mnbt * per_token + extra + workspace + aux
+    split = (f"{batch.decode_requests:,} decodes of {batch.decode_query_len} tokens"
+             + (f" and {mnbt - batch.decode_tokens:,} prefill tokens" if batch.decode_tokens < mnbt else ""))
+    return MlaWarmupPeak(peak, decode, f"kernel warmup's forward at max_num_batched_tokens={mnbt} ({split}; FlashMLA decodes up to "
+                  f"{FLASHMLA_DECODE_THRESHOLD} tokens a request) holds {peak / GiB:.2f} GiB at layer {last}'s MLA: "
+                  f"{extra / GiB:.2f} GiB of its decode path that the profile run never makes (exact shapes, vLLM "
+                  f"models/kimi_k3/nvidia/mla.py, FlashMLA dense_decode_fwd)")
 
 
 def _moe_workspace_held(model: ModelInventory, layout: Layout, start: int, end: int, moe_tokens: int) -> int:
@@ -1264,9 +1340,11 @@ def kda_forward_peak_bytes_per_token(model: ModelInventory, layout: Layout, star
 
 
 def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
-                mnbt: int, seqs: int, cc: tuple[int, int]) -> tuple[int, int, str]:
+                mnbt: int, seqs: int, cc: tuple[int, int]) -> tuple[int, int, str, int]:
+    """vLLM's CUDA-graph estimate, its margin and basis, and how much of it is workspace the profiling grew and
+    keeps (DSpark's capture lane), which kernel warmup cannot reuse."""
     if engine.enforce_eager:
-        return 0, 0, "enforce_eager: no CUDA graphs"
+        return 0, 0, "enforce_eager: no CUDA graphs", 0
     query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
     sizes = cuda_graph_capture_sizes(seqs, query_len, mnbt, cc)
     largest = sizes[-1]
@@ -1291,6 +1369,7 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         graphs_basis = f"{num_sizes} PIECEWISE and {num_full} FULL graphs x {per_graph / MiB:.1f} MiB"
     spec = engine.speculative
     draft = ""
+    kept = 0
     if spec is not None and stage == layout.pp - 1:
         heads = max(1, spec.draft.num_attention_heads // (spec.draft_tp or layout.tp)) if spec.draft is not None else 0
         per_draft_graph = (CUDA_GRAPH_DRAFT_PER_GRAPH.get(spec.method, 0) + CUDA_GRAPH_DRAFT_PER_HEAD.get(spec.method, 0) * heads
@@ -1303,6 +1382,7 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
             num_draft = len(draft_tokens)
             lane = _dspark_capture_lane_bytes(spec, layout, max(draft_tokens, default=0), engine.max_model_len, cc)
             est += lane
+            kept = lane
             draft = f" + DSpark's capture workspace {lane / MiB:,.0f} MiB" if lane else ""
         est += num_draft * per_draft_graph
         draft += f" + {num_draft} draft graphs x {per_draft_graph / MiB:.1f} MiB" if per_draft_graph else ""
@@ -1314,7 +1394,7 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {end - start} layers x "
         f"{CUDA_GRAPH_PER_LAYER[family] / MiB:.1f} MiB + {graphs_basis}{draft} (fitted on H200 fit runs, "
         f"scripts/fit_memory_constants.py)"
-    )
+    ), kept
 
 
 def _flashkda_runs_in_graph_profile(engine: EngineSettings, mnbt: int, seqs: int, cc: tuple[int, int]) -> bool:

@@ -168,6 +168,14 @@ def build_report(
                    f"measured error band against it; {float(memory.banded_max_concurrency):.2f} requests of "
                    f"{memory.engine.max_model_len} tokens at once ({float(memory.max_concurrency):.2f} at the point "
                    "estimates)")
+    elif memory.verdict == "at_risk" and (warm := max(memory.ranks, key=lambda x: x.after_kv_bytes
+                                                       + x.after_kv_band_bytes - x.headroom_bytes)).after_kv_band_bytes \
+            and warm.after_kv_bytes + warm.after_kv_band_bytes > warm.headroom_bytes:
+        safe = memory.safe_gpu_memory_utilization
+        verdict = (f"at risk: {layout.describe()} on {layout.world_size} x {gpu_name}: kernel warmup fits outside the "
+                   f"budget on rank {warm.rank} at the plan's point estimate ({fmt_gib(warm.after_kv_bytes)} of "
+                   f"{fmt_gib(warm.headroom_bytes)}), not with the {fmt_gib(warm.after_kv_band_bytes)} band of its MLA "
+                   "decode path" + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
     elif memory.verdict == "at_risk":
         verdict = (f"at risk: {layout.describe()} on {layout.world_size} x {gpu_name} fits at the plan's point estimates "
                    f"({float(memory.max_concurrency):.2f} requests of {memory.engine.max_model_len} tokens), not with "
@@ -180,7 +188,8 @@ def build_report(
         verdict = (f"does not fit: vLLM would OOM during warmup on rank {worst.rank} (node {worst.node}, GPU "
                    f"{worst.gpu_index}) by {fmt_gib(worst_rank.warmup_shortfall_bytes)}: {fmt_gib(worst_rank.after_kv_bytes)} "
                    "that vLLM's KV sizing does not see (its shared workspace past the profile's: TRITON_MLA's decode "
-                   "logits for a DSpark draft, FlashKDA's prefill buffers) does not fit outside the budget"
+                   "logits for a DSpark draft, FlashKDA's prefill buffers; what kernel warmup's MLA decode path holds "
+                   "beyond the CUDA-graph estimate) does not fit outside the budget"
                    + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
     elif memory.verdict == "seqs_over_state_blocks":
         verdict = (f"does not fit: max_num_seqs {memory.max_num_seqs:,} exceeds the {memory.num_blocks:,} KV-cache blocks "

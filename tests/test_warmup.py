@@ -1,0 +1,89 @@
+"""Kernel warmup's forward (kimi_k3_serve/planning/warmup.py): how vLLM 0.32 splits its dummy batch for FlashMLA, what
+the MLA decode path holds, and the verdict and proposed utilization that follow, against round 25's H100 runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import load_script
+from kimi_k3_serve.models.inventory import MlaProjections
+from kimi_k3_serve.planning.warmup import (
+    mla_base_bytes_per_token,
+    mla_decode_bytes,
+    mla_prefill_bytes,
+    mla_warmup_extra_bytes,
+    warmup_batch,
+)
+from kimi_k3_serve.units import GiB, MiB
+
+KIMI_MLA = MlaProjections(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                          v_head_dim=128, output_gate=True)
+"""Kimi-K3's MLA (kimi_k3_serve/models/data/kimi-k3.json, text_config), as the inventory reads it."""
+
+
+@pytest.mark.parametrize("tokens, seqs, query_per_request, requests, decodes, query_len", [
+    (8192, 256, 7, 256, 256, 32),  # round 25's DSpark slice: every request a 32-token decode
+    (8192, 768, 7, 768, 256, 10),  # 8,192 % 768 = 512 requests of 11 tokens come last: prefills (uniform decodes)
+    (8192, 2048, 7, 1170, 1170 - 8192 % 1170, 7),  # DSpark caps the requests at tokens // its 7 queries a request
+    (8192, 16, 0, 16, 0, 512),  # 512 tokens a request: past FlashMLA's 128, all prefill
+    (8192, 128, 0, 128, 128, 64),
+])
+def test_the_dummy_batch_is_split_as_flashmla_splits_it(tokens, seqs, query_per_request, requests, decodes,
+                                                        query_len) -> None:
+    batch = warmup_batch(tokens, seqs, query_per_request)
+    assert (batch.requests, batch.decode_requests, batch.decode_query_len) == (requests, decodes, query_len)
+    assert batch.decode_tokens <= tokens
+
+
+def test_the_decode_path_holds_the_query_that_ran_out_of_memory() -> None:
+    """Round 25: "Tried to allocate 864.00 MiB" in fused_mla_decode_q_concat_kv_cache_insert, at 8,192 tokens and 96
+    heads: the concatenated query, heads x (kv_lora + rope) in bf16 a token."""
+    batch = warmup_batch(8192, 256, 7)
+    mqa_q = batch.decode_tokens * 96 * (KIMI_MLA.kv_lora_rank + KIMI_MLA.qk_rope_head_dim) * 2
+    assert mqa_q == 905_969_664 == 864 * MiB
+    decode = mla_decode_bytes(batch, KIMI_MLA, 96, 2, (9, 0))
+    # ql_nope, mqa_q and the output in bf16, the log-sum-exp in fp32, and FlashMLA's fp32 accumulators for
+    # 256 requests + 132 // cdiv(32 x 96, 64) = 2 SM parts.
+    assert decode == 8192 * 96 * (2 * (512 + 576 + 512) + 4) + (256 + 2) * 32 * 96 * 513 * 4
+    assert 3.8 * GiB < decode < 3.9 * GiB
+    assert mla_decode_bytes(warmup_batch(8192, 16, 0), KIMI_MLA, 96, 2, (9, 0)) == 0  # no decodes, no decode path
+
+
+def test_the_larger_of_the_prefill_and_the_decode_part_is_what_the_layer_adds() -> None:
+    extra, decode, batch = mla_warmup_extra_bytes(8192, 768, 7, KIMI_MLA, 96, 2, (9, 0))
+    prefill = mla_prefill_bytes(8192 - batch.decode_tokens, KIMI_MLA, 96, 2)
+    assert extra == max(decode, prefill) and decode and prefill
+    assert mla_prefill_bytes(1, KIMI_MLA, 96, 2) == 96 * 2 * (128 + 128 + 128 + 64)  # kv_b_proj's output + the key
+    # Held in any forward, the profile's too: the fused q/kv/gate latent, the normed latents, the query, the output.
+    assert mla_base_bytes_per_token(KIMI_MLA, 96, 2) == 2 * ((1536 + 512 + 64 + 96 * 128) + (1536 + 512)
+                                                             + 96 * 192 + 96 * 128)
+
+
+@pytest.fixture(scope="module")
+def accuracy():
+    return load_script("memory_accuracy")
+
+
+@pytest.fixture(scope="module")
+def round25(accuracy):
+    from kimi_k3_serve.planning.memory import GiB as _  # noqa: F401  (the planner imports)
+    return {name: accuracy.predict_run(accuracy.FIXTURES / "2026-12-06-round25" / name)
+            for name in ("k4-tp1-b8192-s256-dspark-u0945-h100", "k4-tp1-b8192-s256-dspark-u095-h100")}
+
+
+def test_round_25s_warmup_failure_is_predicted_and_the_proposal_leaves_its_band(round25) -> None:
+    """At 0.945 (the utilization proposed before this term) vLLM ran out of memory in warmup: the plan now says so,
+    and proposes a utilization whose room outside the budget holds the warmup's need with its band."""
+    report, reading = round25["k4-tp1-b8192-s256-dspark-u0945-h100"]
+    assert reading.oom is not None and reading.oom.step == "warmup"
+    assert report.verdict == "oom_at_warmup"
+    (rank,) = report.ranks
+    assert rank.after_kv_bytes > rank.headroom_bytes  # the point estimate alone does not fit
+    assert rank.after_kv_band_bytes > 0.9 * GiB
+    safe = report.safe_gpu_memory_utilization
+    assert safe == 0.915
+    room = rank.total_bytes * (1 - safe) - 0.5 * GiB  # outside the budget, less the CUDA context
+    assert rank.after_kv_bytes + rank.after_kv_band_bytes <= room
+    warmup = next(e for e in report.estimates if e.name == "warmup_mla_decode")
+    assert "256 decodes of 32 tokens" in warmup.basis and warmup.margin_bytes == rank.after_kv_band_bytes
+    assert round25["k4-tp1-b8192-s256-dspark-u095-h100"][0].verdict == "oom_at_warmup"
