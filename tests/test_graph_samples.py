@@ -112,7 +112,8 @@ def test_the_engine_finds_the_plugin_and_a_plugin_list_names_it(tmp_path, monkey
     assert env["NCCL_NVLS_ENABLE"] == "0" and "VLLM_PLUGINS" not in env  # vLLM loads every plugin it finds
     assert (tmp_path / "vllm-plugin" / "kimi_k3_rehearsal_full_graphs-0.dist-info" / "entry_points.txt").is_file()
     restricted = engine_env({"VLLM_PLUGINS": "lora_resolver"}, tmp_path)
-    assert restricted["VLLM_PLUGINS"] == "lora_resolver,kimi_k3_rehearsal_full_graphs,kimi_k3_rehearsal_profile_peak"
+    assert restricted["VLLM_PLUGINS"] == ("lora_resolver,kimi_k3_rehearsal_full_graphs,kimi_k3_rehearsal_profile_peak,"
+                                          "kimi_k3_rehearsal_warmup_peak")
 
 
 SCOPE_PROCESS = """

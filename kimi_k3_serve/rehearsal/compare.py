@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kimi_k3_serve.rehearsal.vllm_log import EngineReading, ReleasedCache
+from kimi_k3_serve.rehearsal.vllm_log import EngineReading, ReleasedCache, WarmupPeak
 from kimi_k3_serve.units import GiB, MiB
 
 MEASURED_VERDICT_OF_STEP = {
@@ -60,6 +60,8 @@ class RankComparison:
     """The cache the second sampled capture released, and what allocated it, where the plugin logged it."""
     profile_block_slack_bytes: int | None = None
     """The profile run's allocated peak less its requested peak (``profile_peak``), where the plugin logged them."""
+    warmup_peaks: tuple[WarmupPeak, ...] = ()
+    """What kernel warmup's forwards held (``warmup_peak``), where the plugin logged them."""
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -90,12 +92,23 @@ class RankComparison:
         return (f"at the profile's peak the allocator charged at least {slack:,.0f} MiB beyond the tensors' own sizes "
                 "(whole cached blocks, vLLM's max_split_size_mb:20), counted in vLLM's profile")
 
+    def warmup_line(self) -> str | None:
+        """What kernel warmup's forwards held, in a sentence (None where the plugin did not log it)."""
+        said = []
+        for p in self.warmup_peaks:
+            extra = ("set no new peak" if p.transient_bytes is None
+                     else f"peaked {p.transient_bytes / GiB:.2f} GiB above that")
+            said.append(f"{p.scope} began with {p.allocated_at_entry_bytes / GiB:.2f} GiB allocated and {extra}"
+                        + (" before it ran out of memory" if p.failed else ""))
+        return ("kernel warmup: " + "; ".join(said)) if said else None
+
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "rows": [r.to_json() for r in self.rows],
                 "full_graph_samples": list(self.full_graph_samples) if self.full_graph_samples else None,
                 "full_graphs": self.full_graphs,
                 "second_release": None if self.second_release is None else self.second_release.to_json(),
-                "profile_block_slack_bytes": self.profile_block_slack_bytes}
+                "profile_block_slack_bytes": self.profile_block_slack_bytes,
+                "warmup_peaks": [p.to_json() for p in self.warmup_peaks]}
 
 
 @dataclass(frozen=True)
@@ -158,7 +171,7 @@ def compare(report: Any, reading: EngineReading) -> Comparison:
         allocated, requested = get("profile_allocated_peak_bytes"), get("profile_requested_peak_bytes")
         slack = allocated - requested if allocated is not None and requested is not None else None
         ranks.append(RankComparison(r.rank, r.pp_stage, r.tp_rank, rows, get("full_graph_samples"), get("full_graphs"),
-                                    second, slack))
+                                    second, slack, get("warmup_peaks") or ()))
     return Comparison(
         ranks=tuple(ranks), predicted_verdict=report.verdict, measured_verdict=measured_verdict(reading),
         predicted_concurrency=report.max_concurrency, measured_concurrency=reading.max_concurrency,
@@ -187,7 +200,7 @@ def render_table(comparison: Comparison, gpu_of_rank: Sequence[str] | None = Non
             lines.append(f"{gpu if i == 0 else '':<10} {rc.pp_stage if i == 0 else '':>5}  {row.name:<20} "
                          f"{_gib(row.predicted_bytes):>10} {_gib(row.measured_bytes):>10} {_err(row):>16}")
     for gpu, rc in zip(gpus, comparison.ranks):
-        for said in (rc.full_graph_line(), rc.profile_peak_line()):
+        for said in (rc.full_graph_line(), rc.profile_peak_line(), rc.warmup_line()):
             if said:
                 lines.append(f"{gpu}: {said}")
     conc = "-" if comparison.measured_concurrency is None else f"{comparison.measured_concurrency:.2f}x"

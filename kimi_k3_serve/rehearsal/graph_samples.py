@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from kimi_k3_serve.rehearsal import profile_peak
+from kimi_k3_serve.rehearsal import profile_peak, warmup_peak
 from kimi_k3_serve.rehearsal.import_hook import wrap_on_import
 
 MARKER = "KIMI_K3_REHEARSAL_FULL_GRAPHS"
@@ -220,16 +220,17 @@ def allocation_site(frames: Sequence[Mapping[str, Any]]) -> str:
     return "torch"
 
 
-PLUGIN_NAMES = (PLUGIN_NAME, profile_peak.PLUGIN_NAME)
-"""The distribution's entry points: this module's, and ``profile_peak``'s (its ``PLUGIN_NAME``)."""
+PLUGIN_NAMES = (PLUGIN_NAME, profile_peak.PLUGIN_NAME, warmup_peak.PLUGIN_NAME)
+"""The distribution's entry points: this module's, ``profile_peak``'s and ``warmup_peak``'s (their ``PLUGIN_NAME``)."""
 
 
 def install(folder: Path) -> Path:
-    """Write the plugin's entry points (this module's and ``profile_peak``'s) into ``folder`` (a path entry for the
-    engine's ``PYTHONPATH``); returns it."""
+    """Write the plugin's entry points (this module's, ``profile_peak``'s and ``warmup_peak``'s) into ``folder`` (a
+    path entry for the engine's ``PYTHONPATH``); returns it."""
     dist = folder / _DIST
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN_NAME}\nVersion: 0\n")
     (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_NAME} = {__name__}:register\n"
-                                           f"{profile_peak.PLUGIN_NAME} = {profile_peak.__name__}:register\n")
+                                           f"{profile_peak.PLUGIN_NAME} = {profile_peak.__name__}:register\n"
+                                           f"{warmup_peak.PLUGIN_NAME} = {warmup_peak.__name__}:register\n")
     return folder

@@ -15,15 +15,19 @@ def wrap_on_import(name: str, wrap: Callable[[Any], None]) -> None:
     module = sys.modules.get(name)
     if module is not None:
         wrap(module)
-    elif not any(isinstance(f, _WrapOnImport) and f.name == name for f in sys.meta_path):
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _WrapOnImport) and f.name == name), None)
+    if finder is None:
         sys.meta_path.insert(0, _WrapOnImport(name, wrap))
+    else:  # another entry point wraps the same module: both run, each wrap guards against wrapping twice
+        finder.wraps.append(wrap)
 
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Finds module ``name`` as the rest of ``sys.meta_path`` would, and wraps it once the module has run."""
+    """Finds module ``name`` as the rest of ``sys.meta_path`` would, and runs its wraps once the module has run."""
 
     def __init__(self, name: str, wrap: Callable[[Any], None]) -> None:
-        self.name, self.wrap = name, wrap
+        self.name, self.wraps = name, [wrap]
 
     def find_spec(self, fullname, path, target=None):
         if fullname != self.name:
@@ -35,7 +39,8 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
             def exec_and_wrap(module) -> None:
                 run_module(module)
-                self.wrap(module)
+                for wrap in self.wraps:
+                    wrap(module)
 
             spec.loader.exec_module = exec_and_wrap
         return spec

@@ -15,7 +15,8 @@ Every number here is one vLLM printed. The lines come from (vLLM 0.32 CUDA wheel
 - the rehearsal's own plugin (``graph_samples``): "KIMI_K3_REHEARSAL_FULL_GRAPHS {...}", the FULL graphs vLLM
   sampled for its CUDA-graph estimate and what it extrapolated from them, and "KIMI_K3_REHEARSAL_RELEASED_CACHE
   {...}", the allocator cache each sampled capture released and what allocated it; and (``profile_peak``)
-  "KIMI_K3_REHEARSAL_PROFILE_PEAK {...}", the profile run's allocated and requested peaks;
+  "KIMI_K3_REHEARSAL_PROFILE_PEAK {...}", the profile run's allocated and requested peaks; and (``warmup_peak``)
+  "KIMI_K3_REHEARSAL_WARMUP_PEAK {...}", what kernel warmup's forwards held as they began and at their peak;
 - torch: "CUDA out of memory. Tried to allocate X GiB. GPU g has a total capacity of T GiB of which F MiB is free".
 vLLM rounds GiB to 2 decimals (``format_gib``), so each value read here is exact to +-0.005 GiB.
 
@@ -31,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_k3_serve.rehearsal import graph_samples, profile_peak
+from kimi_k3_serve.rehearsal import graph_samples, profile_peak, warmup_peak
 from kimi_k3_serve.units import GiB, MiB
 
 STEPS = ("start", "load", "profile", "kv_cache", "warmup", "cuda_graphs", "serving")
@@ -67,6 +68,7 @@ _FULL_GRAPHS = re.compile(rf"{graph_samples.MARKER} (\{{.*\}})")
 """The rehearsal's plugin line (``graph_samples``, a module of standard-library imports only)."""
 _RELEASED_CACHE = re.compile(rf"{graph_samples.CACHE_MARKER} (\{{.*\}})")
 _PROFILE_PEAK = re.compile(rf"{profile_peak.MARKER} (\{{.*\}})")
+_WARMUP_PEAK = re.compile(rf"{warmup_peak.MARKER} (\{{.*\}})")
 _MARKERS = (
     ("load", re.compile(r"Starting to load model|Loading model from scratch|is assigned as")),
     ("profile", _LOADED),
@@ -101,6 +103,28 @@ class ReleasedCache:
 
 
 @dataclass(frozen=True)
+class WarmupPeak:
+    """One warmup function's allocations (``warmup_peak``): held as it began, and the allocator's peak as it ended
+    (before the failed request, where it ran out of memory)."""
+
+    scope: str
+    allocated_at_entry_bytes: int
+    allocated_peak_bytes: int
+    peak_at_entry_bytes: int
+    failed: bool
+
+    @property
+    def transient_bytes(self) -> int | None:
+        """What its forwards held at their peak beyond what it began with; None where it set no new peak."""
+        if self.allocated_peak_bytes <= self.peak_at_entry_bytes:
+            return None
+        return self.allocated_peak_bytes - self.allocated_at_entry_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"transient_bytes": self.transient_bytes}
+
+
+@dataclass(frozen=True)
 class WorkerReading:
     """One worker's numbers, as vLLM logged them (bytes; None where the log has no such line)."""
 
@@ -129,6 +153,8 @@ class WorkerReading:
     profile_requested_peak_bytes: int | None = None
     """The same run's peak of the bytes its tensors asked for: the difference is at least what the allocator charged
     beyond them at the peak."""
+    warmup_peaks: tuple[WarmupPeak, ...] = ()
+    """What kernel warmup's forwards allocated, one per wrapped function (``warmup_peak``)."""
 
     @property
     def non_torch_bytes(self) -> int | None:
@@ -149,6 +175,7 @@ class WorkerReading:
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         out["released_caches"] = [c.to_json() for c in self.released_caches]
+        out["warmup_peaks"] = [p.to_json() for p in self.warmup_peaks]
         out["non_torch_bytes"] = self.non_torch_bytes
         out["profiled_non_kv_bytes"] = self.profiled_non_kv_bytes
         return out
@@ -271,6 +298,13 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
             if logged.get("scope") != "load_model":  # the weights' load enters the same allocator scope first
                 worker(int(logged["pid"])).update(profile_allocated_peak_bytes=int(logged["allocated_peak"]),
                                                   profile_requested_peak_bytes=int(logged["requested_peak"]))
+        elif m := _WARMUP_PEAK.search(line):
+            logged = json.loads(m[1])
+            w = worker(int(logged["pid"]))
+            w["warmup_peaks"] = w.get("warmup_peaks", ()) + (WarmupPeak(
+                scope=str(logged.get("scope", "")), allocated_at_entry_bytes=int(logged["allocated_at_entry"]),
+                allocated_peak_bytes=int(logged["allocated_peak"]), peak_at_entry_bytes=int(logged["peak_at_entry"]),
+                failed=bool(logged.get("failed"))),)
         elif m := _FULL_GRAPHS.search(line):
             sampled = json.loads(m[1])
             worker(int(sampled["pid"])).update(full_graph_samples=tuple(sampled["samples"]),
