@@ -413,6 +413,26 @@ SETS: dict[str, list[Job]] = {
              expected_s=150),
         kimi("k4-tp1-b2048-s96-nodraft-h100", 4, tokens=2048, seqs=96, draft=None, role="validation", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-third session), before these run, for an H100 80GB. All are validation runs of
+    # the warmup term that session read from vLLM's code after round 25's miss (planning/warmup.py: kernel warmup's
+    # forward takes FlashMLA's decode path after the KV cache exists) and of its band, set on that one miss
+    # (bands.WARMUP_MLA_DECODE, in-sample). Each pair is the plan's proposed largest safe utilization, where vLLM must
+    # start, and 0.005 above it, where the plan says "at risk" (its point estimate fits up to 0.93 and 0.955). The
+    # first pair is round 25's shape; the second has no draft and 64-token decodes (128 sequences), a shape the band
+    # never saw; the fifth, DSpark at 6,144 tokens, is a third shape at its proposal. rehearse's plugin logs what
+    # each warmup forward held (rehearsal/warmup_peak.py), so the term is scored on every run that reaches warmup.
+    "ranks-round23-h100": [
+        kimi("k4-tp1-b8192-s256-dspark-u0915-h100", 4, tokens=8192, seqs=256, util=0.915, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b8192-s256-dspark-u092-h100", 4, tokens=8192, seqs=256, util=0.92, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b8192-s128-nodraft-u0945-h100", 4, tokens=8192, seqs=128, util=0.945, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s128-nodraft-u095-h100", 4, tokens=8192, seqs=128, util=0.95, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b6144-s256-dspark-u0925-h100", 4, tokens=6144, seqs=256, util=0.925, role="validation",
+             expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
