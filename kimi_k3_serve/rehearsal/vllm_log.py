@@ -64,6 +64,11 @@ _OOM = re.compile(r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate 
                   r"([\d.]+) (GiB|MiB) of which ([\d.]+) (GiB|MiB|KiB) is free")
 _OOM_PLAIN = re.compile(r"(torch\.OutOfMemoryError|CUDA out of memory|No available memory for the cache blocks|"
                         r"Free memory on device .* is less than desired GPU memory utilization)")
+_OOM_ALLOCATOR = re.compile(r"memory allocation failed with OOM on device (\d+) while trying to allocate (\d+) bytes "
+                            r"\(free: (\d+), total: (\d+)\)")
+"""PyTorch's allocator warning, the only trace of an out-of-memory error raised inside a compiled op through the
+stable ABI (FlashMLA's accumulators: the error itself says only "aten::new_empty ... API call failed"); its last
+line is after the allocator freed its cache."""
 _FULL_GRAPHS = re.compile(rf"{graph_samples.MARKER} (\{{.*\}})")
 """The rehearsal's plugin line (``graph_samples``, a module of standard-library imports only)."""
 _RELEASED_CACHE = re.compile(rf"{graph_samples.CACHE_MARKER} (\{{.*\}})")
@@ -236,6 +241,7 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
     engine: dict[str, Any] = {}
     step_index = 0
     oom: OomEvent | None = None
+    allocator_oom: OomEvent | None = None
     errors: list[str] = []
 
     def worker(pid: int | None) -> dict[str, Any]:
@@ -310,6 +316,10 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
             worker(int(sampled["pid"])).update(full_graph_samples=tuple(sampled["samples"]),
                                                full_graphs=sampled["full_graphs"],
                                                full_graph_extrapolated_bytes=sampled["extrapolated"])
+        if alloc := _OOM_ALLOCATOR.search(line):
+            allocator_oom = OomEvent(step=STEPS[step_index], pid=pid, tried_bytes=int(alloc[2]),
+                                     free_bytes=int(alloc[3]), device_index=int(alloc[1]),
+                                     message=line.strip()[-400:])
         if oom is None and _OOM_PLAIN.search(line):
             detail = _OOM.search(line)
             step = STEPS[step_index]
@@ -326,6 +336,9 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
             stripped = line.strip()
             if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", stripped) or "ERROR" in line:
                 errors.append(stripped[-300:])
+    if oom is None and allocator_oom is not None and STEPS[step_index] != "serving" and errors:
+        oom = allocator_oom  # the engine failed and no torch error said why: the allocator's own line does (a
+        # request that FlashInfer's autotuner or vLLM catches logs the same line, and the engine goes on)
     for w in workers.values():  # ranks the "is assigned as" line did not give: the init line's and the label's
         world_rank, pp, tp = w.pop("_world_rank", None), w.pop("_pp", None), w.pop("_tp", None)
         if w.get("rank") is None and world_rank is not None:
