@@ -79,7 +79,18 @@ READ_BEFORE_A_CHANGE = {
     "k4-tp1-b8192-s256-dspark-u0945-h100": "called \"fits\" at the utilization the plan proposed (0.945), where vLLM "
                                            "ran out of memory in kernel warmup: the MLA decode path of warmup's "
                                            "forward (planning/warmup.py) and its band (bands.WARMUP_MLA_DECODE) were "
-                                           "read and set on this run (2026-12-06); the plan now proposes 0.915",
+                                           "read and set on this run (2026-12-06)",
+    "k4-tp1-b8192-s256-dspark-u0915-h100": "called \"fits\" at the utilization the plan proposed (0.915, with the "
+                                           "warmup term's first form), where vLLM ran out of memory in warmup; what "
+                                           "warmup began with and the allocator's reserve were fitted on round 26",
+    "k4-tp1-b6144-s256-dspark-u0925-h100": "called \"fits\" at the utilization the plan proposed (0.925), where vLLM "
+                                           "ran out of memory in warmup (round 26's refit, as above)",
+    "k4-tp1-b8192-s256-dspark-u092-h100": "called \"at risk\" 0.005 above the proposal; vLLM ran out of memory in "
+                                          "warmup (round 26's refit)",
+    "k4-tp1-b8192-s128-nodraft-u0945-h100": "called \"fits\" at the proposal (0.945) and started; the allocator's "
+                                            "reserve was bounded on it (round 26's refit)",
+    "k4-tp1-b8192-s128-nodraft-u095-h100": "called \"at risk\" 0.005 above the proposal; vLLM ran out of memory in "
+                                           "warmup (round 26's refit bounded the reserve on it)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

@@ -344,8 +344,9 @@ def test_verdict_right_on_every_run_that_ended(runs) -> None:
     assert missed == set(VERDICT_MISSES)
     assert all(runs[name].predicted_verdict == "fits" and runs[name].role == "validation" for name in missed)
     assert sorted(r.name for r in ended if r.predicted_verdict == "at_risk") == [
-        "k7-tp1-b2048-s128-dspark-u081", "k8-tp1-b2048-s128-dspark", "k8-tp1-b4096-s48-dspark",
-        "k8-tp1-b4096-s64-dspark", "k8-tp1-b8192-s512-nodraft", "k8-tp1-b8192-s512-nodraft-samples"]
+        "k4-tp1-b8192-s256-dspark-u088-h100", "k7-tp1-b2048-s128-dspark-u081", "k8-tp1-b2048-s128-dspark",
+        "k8-tp1-b4096-s48-dspark", "k8-tp1-b4096-s64-dspark", "k8-tp1-b8192-s512-nodraft",
+        "k8-tp1-b8192-s512-nodraft-samples"]
     validation = [r for r in ended if r.role == "validation"]
     assert 5 * sum(r.predicted_verdict == "at_risk" for r in validation) <= len(validation)
 

@@ -60,19 +60,7 @@ CUDA_GRAPHS = Band("cuda_graph_estimate", 0.02, int(0.18 * GiB),
                    "(ranks-round16); at stage 1's TP8 rank with DSpark, 40, 76, 64, 60, 42 and 84 MiB cached at the "
                    "second sample at 20, 24, 28, 35, 42 and 48 sequences. The history: docs/gpu-runs.md, "
                    "\"The bands' history\"")
-WARMUP_MLA_DECODE = Band("warmup_mla_decode", 0.25, 0,
-                         "k4-tp1-b8192-s256-dspark-u0945-h100 (round 25, an H100, in-sample: the term was read from "
-                         "vLLM's code after this run failed): kernel warmup's forward held 3.47 GiB besides the "
-                         "weights, the KV cache and the workspace lanes when FlashMLA's decode query (864 MiB) did not "
-                         "fit, and what its decode path still had to allocate (output and split-KV accumulators, "
-                         "2.26 GiB) puts its peak 2.01 GiB past the GPU; the plan, its decode path at 3.86 GiB, has "
-                         "it 1.13 GiB past: 0.88 GiB (23 % of the decode path) that no tensor read from the code "
-                         "accounts for yet. rehearse's plugin logs the warmup's own peak (rehearsal/warmup_peak.py) "
-                         "to score it on new runs")
-"""Of the MLA decode path that kernel warmup runs and the profile never does (``planning/warmup.py``): applied to
-what must fit outside the budget, it moves "fits" to "at risk" and the proposed utilization down."""
 BANDS = (WEIGHTS, PROFILE, PROFILE_OTHER_FAMILIES, CUDA_GRAPHS)
-"""The bands a KV pool loses (``kv_band_bytes``); ``WARMUP_MLA_DECODE`` is taken from the room outside the budget."""
 
 
 def kv_band_bytes(weights_bytes: int, profile_bytes: int, cuda_graph_bytes: int, kimi_k3: bool = True) -> int:

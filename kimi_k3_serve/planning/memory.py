@@ -36,10 +36,16 @@ from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInv
 from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.units import GiB, KiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
-from kimi_k3_serve.planning.bands import WARMUP_MLA_DECODE, kv_band_bytes
+from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.fused_allreduce import zero_residual
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
-from kimi_k3_serve.planning.warmup import FLASHMLA_DECODE_THRESHOLD, mla_base_bytes_per_token, mla_warmup_extra_bytes
+from kimi_k3_serve.planning.warmup import (
+    ALLOCATOR_RESERVE_FRACTION,
+    FLASHMLA_DECODE_THRESHOLD,
+    mla_base_bytes_per_token,
+    mla_warmup,
+    persistent_after_profile_bytes,
+)
 from kimi_k3_serve.planning.workspace import SharedWorkspace, moe_buffer_bytes, triton_mla_logits_bytes
 
 NON_TORCH_TP1 = int(300.70 * MiB)
@@ -254,8 +260,6 @@ class RankMemory(StageCosts):
     local_layers: int = 0
     warmup_shortfall_bytes: int = 0
     """How far ``after_kv_bytes`` overruns the headroom: vLLM would OOM during warmup by this much."""
-    after_kv_band_bytes: int = 0
-    """What ``after_kv_bytes`` may be short by (``bands.WARMUP_MLA_DECODE``): with it, the rank is at risk."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -269,7 +273,6 @@ class RankMemory(StageCosts):
             "budget_bytes": self.budget_bytes, "kv_cache_bytes": self.kv_cache_bytes, "num_blocks": self.num_blocks,
             "shortfall_bytes": self.shortfall_bytes, "headroom_bytes": self.headroom_bytes,
             "after_kv_bytes": self.after_kv_bytes, "warmup_shortfall_bytes": self.warmup_shortfall_bytes,
-            "after_kv_band_bytes": self.after_kv_band_bytes,
         }
 
 
@@ -486,7 +489,6 @@ def estimate_memory(
 
     # Per stage (exact) weights and (estimated) non-KV.
     stage_costs: list[StageCosts] = []
-    warmup_bands: list[int] = []
     estimates: list[Estimate] = []
     tp_nodes = {d.node_id for d in devs[:layout.tp] if d.node_id}
     spans_nodes = len(tp_nodes) > 1
@@ -577,18 +579,23 @@ def estimate_memory(
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
         # Kernel warmup runs before any graph is captured: what its forward holds over the profile's peak first fills
         # the CUDA-graph estimate, less the workspace its profiling grew and kept; the rest must fit outside the budget.
-        warmup = warmup_band = 0
+        warmup = 0
         if warmup_peak.bytes and not engine.enforce_eager:
+            # What warmup's forward needs past the budget: its peak over the profile's, less the CUDA-graph estimate
+            # not yet captured, plus what was allocated since the profile and the allocator's reserve.
             graphs_free = max(0, cg - cg_kept)
-            over = max(0, warmup_peak.bytes - act)
-            warmup = max(0, over - graphs_free)
-            warmup_band = max(0, over + WARMUP_MLA_DECODE.of(warmup_peak.decode_bytes) - graphs_free) - warmup
-            estimates.append(Estimate("warmup_mla_decode", s, over, WARMUP_MLA_DECODE.of(warmup_peak.decode_bytes),
-                                      warmup_peak.basis + f"; over the profile's peak by {over / GiB:.2f} GiB, "
-                                      f"{warmup / GiB:.2f} GiB of it beyond the {graphs_free / GiB:.2f} GiB of "
-                                      f"CUDA-graph estimate not yet captured; band "
-                                      f"{WARMUP_MLA_DECODE.fraction:.0%} of the decode path (planning/bands.py)"))
-        warmup_bands.append(warmup_band)
+            over = warmup_peak.bytes - act
+            since = persistent_after_profile_bytes(mnbt, model.hidden_size, DTYPE_BITS[model.dtype] // 8,
+                                                   None if draft is None else draft.family, s == layout.pp - 1)
+            reserve = int(ALLOCATOR_RESERVE_FRACTION * warmup_peak.largest_request_bytes)
+            warmup = max(0, over - graphs_free + since + reserve)
+            estimates.append(Estimate("warmup_mla_decode", s, warmup, 0, warmup_peak.basis
+                                      + f"; {over / GiB:+.2f} GiB over the profile's peak, less the "
+                                      f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured, plus "
+                                      f"{since / GiB:.2f} GiB allocated since the profile (fitted) and the "
+                                      f"allocator's reserve, {ALLOCATOR_RESERVE_FRACTION:.0%} of its largest request "
+                                      f"({reserve / GiB:.2f} GiB, measured): "
+                                      f"{warmup / GiB:.2f} GiB outside the budget"))
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv + warmup))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
@@ -634,24 +641,16 @@ def estimate_memory(
             headroom_bytes=headroom, local_layers=len(local[s]),
             after_kv_bytes=c.after_kv_bytes,
             warmup_shortfall_bytes=max(0, c.after_kv_bytes - max(headroom, 0)) if c.after_kv_bytes else 0,
-            after_kv_band_bytes=warmup_bands[s],
         ))
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
     full_graphs = bool(state_groups) and not engine.enforce_eager
     verdict = _verdict(ranks, devs, [stage_costs[s] for s in rank_stage], pool, seqs if full_graphs else 0)
-    warm_risk = max(ranks, key=lambda x: x.after_kv_bytes + x.after_kv_band_bytes - x.headroom_bytes)
     if verdict == "fits" and (any(banded.shortfall_bytes) or banded.num_blocks < banded.blocks_per_request
                               or (full_graphs and seqs > banded.num_blocks)):
         verdict = "at_risk"
         notes.append(f"at risk: it fits at the plan's point estimates, not with their measured error bands against it "
                      f"(up to {max(bands) / GiB:.2f} GiB of KV pool per GPU: weights, profile and CUDA graphs at the top "
                      f"of the errors their validation runs showed); vLLM may refuse or OOM")
-    elif verdict == "fits" and warm_risk.after_kv_bytes + warm_risk.after_kv_band_bytes > warm_risk.headroom_bytes:
-        verdict = "at_risk"
-        notes.append(f"at risk: kernel warmup fits outside the budget on rank {warm_risk.rank} at the plan's point "
-                     f"estimate ({warm_risk.after_kv_bytes / GiB:.2f} GiB of {warm_risk.headroom_bytes / GiB:.2f}), "
-                     f"not with the {warm_risk.after_kv_band_bytes / GiB:.2f} GiB band of its MLA decode path "
-                     f"(planning/bands.py); vLLM may OOM in warmup")
     elif verdict == "seqs_over_state_blocks" and max(bands) and min(pool.bytes_per_block):
         # The boundary is a count of blocks, which a fraction of a percent of the pool moves (vLLM made 513 blocks for
         # 512 sequences on k8-tp1-b8192-s512-nodraft): short by less than the bands, it may as well fit.
@@ -828,12 +827,11 @@ def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Seq
 
 
 def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world: int, cc: tuple[int, int]) -> float | None:
-    """The largest utilization (a multiple of 0.005) at which every rank's after-KV allocations fit outside the budget,
-    with their band against them."""
+    """The largest utilization (a multiple of 0.005) at which every rank's after-KV allocations fit outside the budget."""
     outside = _outside_budget(model, world, cc)
     best = 1.0
     for r in ranks:
-        room = r.total_bytes - outside - r.after_kv_bytes - r.after_kv_band_bytes
+        room = r.total_bytes - outside - r.after_kv_bytes
         if room <= 0:
             return None
         best = min(best, math.floor(room / r.total_bytes * 200) / 200)
@@ -1168,17 +1166,17 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             peak = kda_peak
     warmup = _mla_warmup_peak(model, layout, start, end, mnbt, seqs, fwd, aux_layers, draft, num_spec, cc)
     if warmup.bytes:
-        warmup = MlaWarmupPeak(warmup.bytes + held, warmup.decode_bytes, warmup.basis)
+        warmup = MlaWarmupPeak(warmup.bytes + held, warmup.largest_request_bytes, warmup.basis)
     peak += held
     return peak, max(peak // 4, 256 * MiB), basis + held_basis + "; +-25% (H200 residuals <= 0.3 GiB)", warmup
 
 
 @dataclass(frozen=True)
 class MlaWarmupPeak:
-    """What kernel warmup's forward holds at its peak MLA layer, and how much of it is the decode path alone."""
+    """What kernel warmup's forward holds at its peak MLA layer, and its largest single request."""
 
     bytes: int
-    decode_bytes: int
+    largest_request_bytes: int
     basis: str
 
 
@@ -1198,7 +1196,8 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     heads = max(1, model.num_attention_heads // layout.tp)
     last = mla_layers[-1]
     query_per_request = (num_spec if draft.family == "dspark" else 1) if draft is not None else 0
-    extra, decode, batch = mla_warmup_extra_bytes(mnbt, seqs, query_per_request, mla, heads, b, cc)
+    layer = mla_warmup(mnbt, seqs, query_per_request, mla, heads, b, cc)
+    extra, batch = layer.extra_bytes, layer.batch
     residual_side = cdiv(end, model.attn_res_block_size) + 3
     per_token = b * model.hidden_size * residual_side + mla_base_bytes_per_token(mla, heads, b)
     moe_before = any(model.layers[i].mlp == "moe" for i in range(start, last))
@@ -1209,7 +1208,7 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     peak = mnbt * per_token + extra + workspace + aux
     split = (f"{batch.decode_requests:,} decodes of {batch.decode_query_len} tokens"
              + (f" and {mnbt - batch.decode_tokens:,} prefill tokens" if batch.decode_tokens < mnbt else ""))
-    return MlaWarmupPeak(peak, decode, f"kernel warmup's forward at max_num_batched_tokens={mnbt} ({split}; FlashMLA decodes up to "
+    return MlaWarmupPeak(peak, layer.largest_request_bytes, f"kernel warmup's forward at max_num_batched_tokens={mnbt} ({split}; FlashMLA decodes up to "
                   f"{FLASHMLA_DECODE_THRESHOLD} tokens a request) holds {peak / GiB:.2f} GiB at layer {last}'s MLA: "
                   f"{extra / GiB:.2f} GiB of its decode path that the profile run never makes (exact shapes, vLLM "
                   f"models/kimi_k3/nvidia/mla.py, FlashMLA dense_decode_fwd)")

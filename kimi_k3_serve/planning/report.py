@@ -168,14 +168,6 @@ def build_report(
                    f"measured error band against it; {float(memory.banded_max_concurrency):.2f} requests of "
                    f"{memory.engine.max_model_len} tokens at once ({float(memory.max_concurrency):.2f} at the point "
                    "estimates)")
-    elif memory.verdict == "at_risk" and (warm := max(memory.ranks, key=lambda x: x.after_kv_bytes
-                                                       + x.after_kv_band_bytes - x.headroom_bytes)).after_kv_band_bytes \
-            and warm.after_kv_bytes + warm.after_kv_band_bytes > warm.headroom_bytes:
-        safe = memory.safe_gpu_memory_utilization
-        verdict = (f"at risk: {layout.describe()} on {layout.world_size} x {gpu_name}: kernel warmup fits outside the "
-                   f"budget on rank {warm.rank} at the plan's point estimate ({fmt_gib(warm.after_kv_bytes)} of "
-                   f"{fmt_gib(warm.headroom_bytes)}), not with the {fmt_gib(warm.after_kv_band_bytes)} band of its MLA "
-                   "decode path" + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
     elif memory.verdict == "at_risk":
         verdict = (f"at risk: {layout.describe()} on {layout.world_size} x {gpu_name} fits at the plan's point estimates "
                    f"({float(memory.max_concurrency):.2f} requests of {memory.engine.max_model_len} tokens), not with "

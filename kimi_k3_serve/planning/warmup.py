@@ -25,6 +25,22 @@ FLASHMLA_DECODE_THRESHOLD = 128
 """``FlashMLAMetadataBuilder.reorder_batch_threshold``: a request of at most this many tokens is a decode."""
 FLASHMLA_QUERY_TILE = 64
 """FlashMLA's query rows per tile (``num_sm_parts = SMs / cdiv(query_len x heads, 64)``)."""
+PERSISTENT_AFTER_PROFILE = {"dspark": int(0.95 * (1 << 30)), "none": int(0.09 * (1 << 30))}
+"""Bytes that hold memory as warmup begins beyond what vLLM's profile held, by draft, beside one hidden state of
+``max_num_batched_tokens`` (``persistent_after_profile_bytes``). Fitted on round 26's six H100 runs: rehearse's plugin
+logs what warmup began with; less the weights and KV cache vLLM logged, the workspace lanes as they stood and the
+profile's held sampler buffers, and one hidden state, 0.943 to 0.950 GiB is left with DSpark (256 sequences, 6,144
+and 8,192 tokens) and 0.089 to 0.094 GiB with no draft (128 sequences). Not yet read from vLLM's code. Not charged
+per sequence: at DSpark's 6.06 fp32 ``max_num_seqs x vocab`` copies, the H200's 6-layer DSpark slice at 768
+sequences, which started at 0.88, could not have. Seen at 7 speculative tokens only; an EAGLE3 drafter is charged
+DSpark's."""
+ALLOCATOR_RESERVE_FRACTION = 0.5
+"""Of warmup's largest single request (FlashMLA's fp32 output accumulator where it decodes, 1.51 GiB at 8,192 tokens
+over 128 or 256 requests): what the caching allocator could not hand to it (cached blocks too small or split, and
+non-torch memory past the plan's). Round 26 (H100), in the plan's own terms: warmup ran out of memory with 0.48 GiB
+left outside the budget beyond the rest of its need (k4-tp1-b8192-s128-nodraft-u095-h100), and started with 0.88 (the
+same shape at 0.945): 30 to 54 % of the request. Near the top, so the verdict errs toward "does not fit"; a TP8 rank
+at 0.995, whose warmup makes no request near that size, started (r44-s1-dspark-u0995)."""
 
 
 @dataclass(frozen=True)
@@ -63,19 +79,25 @@ def mla_base_bytes_per_token(mla: MlaProjections, heads: int, dtype_bytes: int) 
     return dtype_bytes * (latent + normed + heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim) + heads * mla.v_head_dim)
 
 
+def _flashmla_splits(batch: WarmupBatch, heads: int, compute_capability: tuple[int, int]) -> int:
+    """FlashMLA's split-KV slots: ``decode_requests + num_sm_parts``, ``num_sm_parts = SMs / cdiv(query_len x heads,
+    64)`` (at least 1)."""
+    rows = batch.decode_query_len * heads
+    sm_parts = max(SM_COUNT.get(compute_capability, SM_COUNT[(9, 0)]) // -(-rows // FLASHMLA_QUERY_TILE), 1)
+    return batch.decode_requests + sm_parts
+
+
 def mla_decode_bytes(batch: WarmupBatch, mla: MlaProjections, heads: int, dtype_bytes: int,
                      compute_capability: tuple[int, int]) -> int:
     """The decode path's tensors at FlashMLA's call, beside ``mla_base_bytes_per_token``'s: ``ql_nope``, ``mqa_q``,
-    the output and its fp32 log-sum-exp, and the split-KV accumulators (fp32 output and log-sum-exp for
-    ``decode_requests + num_sm_parts`` splits of ``query_len x heads`` rows)."""
+    the output and its fp32 log-sum-exp, and the split-KV accumulators (fp32 output and log-sum-exp for each split
+    slot of ``query_len x heads`` rows)."""
     if not batch.decode_tokens:
         return 0
     latent = mla.kv_lora_rank
     per_token = heads * (dtype_bytes * (latent + latent + mla.qk_rope_head_dim + latent) + 4)
     rows = batch.decode_query_len * heads
-    sm_parts = max(SM_COUNT.get(compute_capability, SM_COUNT[(9, 0)]) // -(-rows // FLASHMLA_QUERY_TILE), 1)
-    accumulators = (batch.decode_requests + sm_parts) * rows * (latent + 1) * 4
-    return batch.decode_tokens * per_token + accumulators
+    return batch.decode_tokens * per_token + _flashmla_splits(batch, heads, compute_capability) * rows * (latent + 1) * 4
 
 
 def mla_prefill_bytes(prefill_tokens: int, mla: MlaProjections, heads: int, dtype_bytes: int) -> int:
@@ -84,11 +106,37 @@ def mla_prefill_bytes(prefill_tokens: int, mla: MlaProjections, heads: int, dtyp
     return prefill_tokens * heads * dtype_bytes * (2 * mla.qk_nope_head_dim + mla.v_head_dim + mla.qk_rope_head_dim)
 
 
-def mla_warmup_extra_bytes(tokens: int, max_num_seqs: int, query_per_request: int, mla: MlaProjections, heads: int,
-                           dtype_bytes: int, compute_capability: tuple[int, int]) -> tuple[int, int, WarmupBatch]:
-    """What one MLA layer of the warmup forward holds beyond the profile run's, (bytes, its decode part, the batch):
-    the larger of its prefill part and its decode part (they run one after the other)."""
+@dataclass(frozen=True)
+class MlaWarmup:
+    """One MLA layer of the warmup forward: what it holds beyond the profile run's, its decode part, and the largest
+    single request it makes (FlashMLA's output accumulator, where it decodes)."""
+
+    extra_bytes: int
+    decode_bytes: int
+    largest_request_bytes: int
+    batch: WarmupBatch
+
+
+def mla_warmup(tokens: int, max_num_seqs: int, query_per_request: int, mla: MlaProjections, heads: int,
+               dtype_bytes: int, compute_capability: tuple[int, int]) -> MlaWarmup:
+    """The larger of the layer's prefill part and its decode part (they run one after the other)."""
     batch = warmup_batch(tokens, max_num_seqs, query_per_request)
     decode = mla_decode_bytes(batch, mla, heads, dtype_bytes, compute_capability)
-    prefill = mla_prefill_bytes(tokens - batch.decode_tokens, mla, heads, dtype_bytes)
-    return max(decode, prefill), decode, batch
+    prefill_tokens = tokens - batch.decode_tokens
+    prefill = mla_prefill_bytes(prefill_tokens, mla, heads, dtype_bytes)
+    largest = prefill_tokens * heads * dtype_bytes * (mla.qk_nope_head_dim + mla.v_head_dim)  # kv_b_proj's output
+    if batch.decode_tokens:
+        accumulator = _flashmla_splits(batch, heads, compute_capability) * batch.decode_query_len * heads \
+            * mla.kv_lora_rank * 4
+        query = batch.decode_tokens * heads * (mla.kv_lora_rank + mla.qk_rope_head_dim) * dtype_bytes
+        largest = max(largest, accumulator, query)
+    return MlaWarmup(max(decode, prefill), decode, largest, batch)
+
+
+def persistent_after_profile_bytes(tokens: int, hidden_size: int, dtype_bytes: int, draft_kind: str | None,
+                                   last_stage: bool) -> int:
+    """What holds memory as kernel warmup begins, beyond the weights, the KV cache, the workspace lanes and what vLLM's
+    profile held: one hidden state of ``tokens`` on every stage, and on the last stage ``PERSISTENT_AFTER_PROFILE``
+    (fitted)."""
+    rest = PERSISTENT_AFTER_PROFILE["none" if draft_kind is None else "dspark"] if last_stage else 0
+    return tokens * hidden_size * dtype_bytes + rest
