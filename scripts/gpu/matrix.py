@@ -436,6 +436,26 @@ SETS: dict[str, list[Job]] = {
         # so the plugin logs the whole warmup peak. A fit run: it sets the warmup term's band.
         kimi("k4-tp1-b8192-s256-dspark-u088-h100", 4, tokens=8192, seqs=256, util=0.88, role="fit", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-third session), before these run, for an H100 80GB. All validation runs of the
+    # warmup term as refitted on ranks-round23-h100 (round 26): what warmup began with beyond the profile
+    # (warmup.PERSISTENT_AFTER_PROFILE, fitted at 256 sequences with DSpark and 128 with none) and the allocator's
+    # reserve (half of the largest request). Each shape's proposed utilization, where vLLM must start, then 0.005
+    # above it, where the plan says vLLM runs out of memory in warmup: round 26's DSpark shape, and two shapes it
+    # never saw (DSpark at 128 sequences, no draft at 256), which score the fitted constants' form.
+    "ranks-round24-h100": [
+        kimi("k4-tp1-b8192-s256-dspark-u0905-h100", 4, tokens=8192, seqs=256, util=0.905, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b8192-s128-dspark-u0945-h100", 4, tokens=8192, seqs=128, util=0.945, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b8192-s256-nodraft-u095-h100", 4, tokens=8192, seqs=256, util=0.95, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s128-dspark-u095-h100", 4, tokens=8192, seqs=128, util=0.95, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b8192-s256-nodraft-u0955-h100", 4, tokens=8192, seqs=256, util=0.955, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s256-dspark-u091-h100", 4, tokens=8192, seqs=256, util=0.91, role="validation",
+             expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
