@@ -73,7 +73,8 @@ def test_the_comparison_takes_the_slack_from_the_workers_two_peaks() -> None:
     log = (f'(Worker pid=7) {profile_peak.MARKER} {{"pid": 7, "scope": "determine_available_memory", '
            f'"allocated_peak": {62 * GiB}, "requested_peak": {62 * GiB - 75 * MiB}, "reserved_peak": {63 * GiB}}}\n')
     rank = SimpleNamespace(rank=0, pp_stage=0, tp_rank=0, weights_bytes=0, draft_bytes=0, activation_bytes=0,
-                           non_torch_bytes=0, workspace_bytes=0, cuda_graph_bytes=0, kv_cache_bytes=0)
+                           non_torch_bytes=0, workspace_bytes=0, cuda_graph_bytes=0, kv_cache_bytes=0,
+                           warmup_forward_bytes=0)
     report = SimpleNamespace(ranks=[rank], verdict="fits", max_concurrency=1.0)
     (compared,) = compare(report, parse_vllm_log(log)).ranks
     assert compared.profile_block_slack_bytes == 75 * MiB

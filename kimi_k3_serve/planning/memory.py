@@ -260,6 +260,8 @@ class RankMemory(StageCosts):
     local_layers: int = 0
     warmup_shortfall_bytes: int = 0
     """How far ``after_kv_bytes`` overruns the headroom: vLLM would OOM during warmup by this much."""
+    warmup_forward_bytes: int = 0
+    """What kernel warmup's forward allocates at its peak (``MlaWarmupPeak.forward_bytes``; 0: not modelled)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -273,6 +275,7 @@ class RankMemory(StageCosts):
             "budget_bytes": self.budget_bytes, "kv_cache_bytes": self.kv_cache_bytes, "num_blocks": self.num_blocks,
             "shortfall_bytes": self.shortfall_bytes, "headroom_bytes": self.headroom_bytes,
             "after_kv_bytes": self.after_kv_bytes, "warmup_shortfall_bytes": self.warmup_shortfall_bytes,
+            "warmup_forward_bytes": self.warmup_forward_bytes,
         }
 
 
@@ -489,6 +492,7 @@ def estimate_memory(
 
     # Per stage (exact) weights and (estimated) non-KV.
     stage_costs: list[StageCosts] = []
+    warmup_forwards: list[int] = []
     estimates: list[Estimate] = []
     tp_nodes = {d.node_id for d in devs[:layout.tp] if d.node_id}
     spans_nodes = len(tp_nodes) > 1
@@ -596,6 +600,7 @@ def estimate_memory(
                                       f"allocator's reserve, {ALLOCATOR_RESERVE_FRACTION:.0%} of its largest request "
                                       f"({reserve / GiB:.2f} GiB, measured): "
                                       f"{warmup / GiB:.2f} GiB outside the budget"))
+        warmup_forwards.append(warmup_peak.forward_bytes if not engine.enforce_eager else 0)
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv + warmup))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
@@ -641,6 +646,7 @@ def estimate_memory(
             headroom_bytes=headroom, local_layers=len(local[s]),
             after_kv_bytes=c.after_kv_bytes,
             warmup_shortfall_bytes=max(0, c.after_kv_bytes - max(headroom, 0)) if c.after_kv_bytes else 0,
+            warmup_forward_bytes=warmup_forwards[s],
         ))
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
     full_graphs = bool(state_groups) and not engine.enforce_eager
@@ -1166,17 +1172,19 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             peak = kda_peak
     warmup = _mla_warmup_peak(model, layout, start, end, mnbt, seqs, fwd, aux_layers, draft, num_spec, cc)
     if warmup.bytes:
-        warmup = MlaWarmupPeak(warmup.bytes + held, warmup.largest_request_bytes, warmup.basis)
+        warmup = replace(warmup, bytes=warmup.bytes + held)
     peak += held
     return peak, max(peak // 4, 256 * MiB), basis + held_basis + "; +-25% (H200 residuals <= 0.3 GiB)", warmup
 
 
 @dataclass(frozen=True)
 class MlaWarmupPeak:
-    """What kernel warmup's forward holds at its peak MLA layer, and its largest single request."""
+    """What kernel warmup's forward holds at its peak MLA layer, its largest single request, and what of it the forward
+    allocates (all but the workspace and the held buffers, there before it begins)."""
 
     bytes: int
     largest_request_bytes: int
+    forward_bytes: int
     basis: str
 
 
@@ -1191,7 +1199,7 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     mla = model.mla
     mla_layers = [i for i in range(start, end) if isinstance(model.layers[i].kv, MlaKv)]
     if mla is None or not mla_layers or not model.attn_res_block_size:
-        return MlaWarmupPeak(0, 0, "")
+        return MlaWarmupPeak(0, 0, 0, "")
     b = DTYPE_BITS[model.dtype] // 8
     heads = max(1, model.num_attention_heads // layout.tp)
     last = mla_layers[-1]
@@ -1208,7 +1216,7 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     peak = mnbt * per_token + extra + workspace + aux
     split = (f"{batch.decode_requests:,} decodes of {batch.decode_query_len} tokens"
              + (f" and {mnbt - batch.decode_tokens:,} prefill tokens" if batch.decode_tokens < mnbt else ""))
-    return MlaWarmupPeak(peak, layer.largest_request_bytes, f"kernel warmup's forward at max_num_batched_tokens={mnbt} ({split}; FlashMLA decodes up to "
+    return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, f"kernel warmup's forward at max_num_batched_tokens={mnbt} ({split}; FlashMLA decodes up to "
                   f"{FLASHMLA_DECODE_THRESHOLD} tokens a request) holds {peak / GiB:.2f} GiB at layer {last}'s MLA: "
                   f"{extra / GiB:.2f} GiB of its decode path that the profile run never makes (exact shapes, vLLM "
                   f"models/kimi_k3/nvidia/mla.py, FlashMLA dense_decode_fwd)")

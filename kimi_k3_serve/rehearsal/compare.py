@@ -62,6 +62,8 @@ class RankComparison:
     """The profile run's allocated peak less its requested peak (``profile_peak``), where the plugin logged them."""
     warmup_peaks: tuple[WarmupPeak, ...] = ()
     """What kernel warmup's forwards held (``warmup_peak``), where the plugin logged them."""
+    planned_warmup_forward_bytes: int = 0
+    """The plan's peak of FlashInfer's autotune forward over what it begins with (0: not modelled)."""
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -98,6 +100,8 @@ class RankComparison:
         for p in self.warmup_peaks:
             extra = ("set no new peak" if p.transient_bytes is None
                      else f"peaked {p.transient_bytes / GiB:.2f} GiB above that")
+            if p.scope == "flashinfer_autotune" and self.planned_warmup_forward_bytes:
+                extra += f" (plan {self.planned_warmup_forward_bytes / GiB:.2f} GiB)"
             said.append(f"{p.scope} began with {p.allocated_at_entry_bytes / GiB:.2f} GiB allocated and {extra}"
                         + (" before it ran out of memory" if p.failed else ""))
         return ("kernel warmup: " + "; ".join(said)) if said else None
@@ -108,7 +112,8 @@ class RankComparison:
                 "full_graphs": self.full_graphs,
                 "second_release": None if self.second_release is None else self.second_release.to_json(),
                 "profile_block_slack_bytes": self.profile_block_slack_bytes,
-                "warmup_peaks": [p.to_json() for p in self.warmup_peaks]}
+                "warmup_peaks": [p.to_json() for p in self.warmup_peaks],
+                "planned_warmup_forward_bytes": self.planned_warmup_forward_bytes}
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ def compare(report: Any, reading: EngineReading) -> Comparison:
         allocated, requested = get("profile_allocated_peak_bytes"), get("profile_requested_peak_bytes")
         slack = allocated - requested if allocated is not None and requested is not None else None
         ranks.append(RankComparison(r.rank, r.pp_stage, r.tp_rank, rows, get("full_graph_samples"), get("full_graphs"),
-                                    second, slack, get("warmup_peaks") or ()))
+                                    second, slack, get("warmup_peaks") or (), r.warmup_forward_bytes))
     return Comparison(
         ranks=tuple(ranks), predicted_verdict=report.verdict, measured_verdict=measured_verdict(reading),
         predicted_concurrency=report.max_concurrency, measured_concurrency=reading.max_concurrency,
