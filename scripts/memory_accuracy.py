@@ -78,8 +78,8 @@ READ_BEFORE_A_CHANGE = {
                                      "chosen on this run, 2026-12-06)",
     "k4-tp1-b8192-s256-dspark-u0945-h100": "called \"fits\" at the utilization the plan proposed (0.945), where vLLM "
                                            "ran out of memory in kernel warmup: the MLA decode path of warmup's "
-                                           "forward (planning/warmup.py) and its band (bands.WARMUP_MLA_DECODE) were "
-                                           "read and set on this run (2026-12-06)",
+                                           "forward (planning/warmup.py) was read from vLLM's code after this run "
+                                           "(2026-12-06)",
     "k4-tp1-b8192-s256-dspark-u0915-h100": "called \"fits\" at the utilization the plan proposed (0.915, with the "
                                            "warmup term's first form), where vLLM ran out of memory in warmup; what "
                                            "warmup began with and the allocator's reserve were fitted on round 26",

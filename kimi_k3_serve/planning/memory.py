@@ -1219,7 +1219,9 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, f"kernel warmup's forward at max_num_batched_tokens={mnbt} ({split}; FlashMLA decodes up to "
                   f"{FLASHMLA_DECODE_THRESHOLD} tokens a request) holds {peak / GiB:.2f} GiB at layer {last}'s MLA: "
                   f"{extra / GiB:.2f} GiB of its decode path that the profile run never makes (exact shapes, vLLM "
-                  f"models/kimi_k3/nvidia/mla.py, FlashMLA dense_decode_fwd)")
+                  f"models/kimi_k3/nvidia/mla.py, FlashMLA dense_decode_fwd)"
+                  + (f"; on compute capability {cc[0]}.{cc[1]} vLLM picks another MLA backend, whose buffers FlashMLA's "
+                     f"shapes stand in for (not read from its code)" if cc[0] != 9 else ""))
 
 
 def _moe_workspace_held(model: ModelInventory, layout: Layout, start: int, end: int, moe_tokens: int) -> int:
