@@ -107,12 +107,14 @@ def test_round_25s_warmup_failure_is_predicted_and_the_proposal_leaves_room(roun
 
 LANE = re.compile(r"Resized workspace from '[^']+': [0-9.]+ MB -> ([0-9.]+) MB \(ubatch 0, lane (\d)\)")
 WARMUP_READ = (
-    ("2026-12-06-round26", "k4-tp1-b8192-s256-dspark-u088-h100"), ("2026-12-06-round26", "k4-tp1-b8192-s256-dspark-u0915-h100"),
-    ("2026-12-06-round26", "k4-tp1-b8192-s256-dspark-u092-h100"), ("2026-12-06-round26", "k4-tp1-b6144-s256-dspark-u0925-h100"),
-    ("2026-12-06-round26", "k4-tp1-b8192-s128-nodraft-u0945-h100"), ("2026-12-06-round26", "k4-tp1-b8192-s128-nodraft-u095-h100"),
+    *(("2026-12-06-round26", name) for name in (
+        "k4-tp1-b8192-s256-dspark-u088-h100", "k4-tp1-b8192-s256-dspark-u0915-h100",
+        "k4-tp1-b8192-s256-dspark-u092-h100", "k4-tp1-b6144-s256-dspark-u0925-h100",
+        "k4-tp1-b8192-s128-nodraft-u0945-h100", "k4-tp1-b8192-s128-nodraft-u095-h100")),
     # Validation (ranks-round24-h100, after the fit): DSpark at 128 sequences and no draft at 256, shapes it never saw.
-    ("2026-12-06-round27", "k4-tp1-b8192-s256-dspark-u0905-h100"), ("2026-12-06-round27", "k4-tp1-b8192-s128-dspark-u0945-h100"),
-    ("2026-12-06-round27", "k4-tp1-b8192-s256-nodraft-u095-h100"),
+    *(("2026-12-06-round27", name) for name in (
+        "k4-tp1-b8192-s256-dspark-u0905-h100", "k4-tp1-b8192-s128-dspark-u0945-h100",
+        "k4-tp1-b8192-s256-nodraft-u095-h100")),
 )
 """Every run whose warmup the plugin logged: round 26's fitted ``PERSISTENT_AFTER_PROFILE``, round 27's score it."""
 

@@ -581,12 +581,11 @@ def estimate_memory(
                                   "2026-11-30 to 2026-12-05), 2.1 GiB TP>2 (llm-d, H100)"
                                   + (f", + {nvls / MiB:,.0f} MiB of NCCL NVLS buffers (computed)" if nvls else "")))
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
-        # Kernel warmup runs before any graph is captured: what its forward holds over the profile's peak first fills
-        # the CUDA-graph estimate, less the workspace its profiling grew and kept; the rest must fit outside the budget.
+        # Kernel warmup runs before any graph is captured: its forward's peak over the profile's first fills the
+        # CUDA-graph estimate (less the workspace its profiling grew and kept); that, what was allocated since the
+        # profile and the allocator's reserve must fit outside the budget.
         warmup = 0
         if warmup_peak.bytes and not engine.enforce_eager:
-            # What warmup's forward needs past the budget: its peak over the profile's, less the CUDA-graph estimate
-            # not yet captured, plus what was allocated since the profile and the allocator's reserve.
             graphs_free = max(0, cg - cg_kept)
             over = warmup_peak.bytes - act
             since = persistent_after_profile_bytes(mnbt, model.hidden_size, DTYPE_BITS[model.dtype] // 8,
@@ -1094,7 +1093,7 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
     layer's forward (``kda_forward_peak_bytes_per_token``), plus, on the last stage, what grows with ``max_num_seqs``
     and is held throughout (``SAMPLER_FP32_VOCAB_COPIES``). An MLA EAGLE3 draft's own step can set the peak instead
     (``eagle3_mla_profile_bytes``): the larger is taken. Also the peak of the kernel-warmup forward's last MLA
-    layer, on the same terms (``planning/warmup.py``; 0 where the stage has no Kimi-K3 MLA layer), and its basis."""
+    layer, on the same terms (``_mla_warmup_peak``; zero where the stage has no Kimi-K3 MLA layer)."""
     # With DP x EP, vLLM 0.32's default all2all (AgRsAll2AllManager, distributed/device_communicators/all2all.py;
     # MoEPrepareAndFinalizeNaiveDPEPModular, fused_moe/prepare_finalize/naive_dp_ep.py) all-gathers every DP rank's
     # tokens before the experts, so each rank's MoE runs on dp x the batch in the profile run.
@@ -1193,7 +1192,7 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
                      cc: tuple[int, int]) -> MlaWarmupPeak:
     """What the kernel-warmup forward holds at its last MLA layer's FlashMLA call, as the profile's KDA branch counts
     a KDA layer's: the residual side of a layer that opens no block, the layer's own tensors
-    (``warmup.mla_base_bytes_per_token``) and its decode or prefill part (``warmup.mla_warmup_extra_bytes``), the
+    (``warmup.mla_base_bytes_per_token``) and its decode or prefill part (``warmup.mla_warmup``), the
     aux hidden states captured before it (and, with DSpark, the fitted held copies), and the MoE workspace once a MoE
     layer has run before it. Zero where the stage has no MLA layer or the model is not Kimi-K3."""
     mla = model.mla
@@ -1216,12 +1215,14 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     peak = mnbt * per_token + extra + workspace + aux
     split = (f"{batch.decode_requests:,} decodes of {batch.decode_query_len} tokens"
              + (f" and {mnbt - batch.decode_tokens:,} prefill tokens" if batch.decode_tokens < mnbt else ""))
-    return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, f"kernel warmup's forward at max_num_batched_tokens={mnbt} ({split}; FlashMLA decodes up to "
-                  f"{FLASHMLA_DECODE_THRESHOLD} tokens a request) holds {peak / GiB:.2f} GiB at layer {last}'s MLA: "
-                  f"{extra / GiB:.2f} GiB of its decode path that the profile run never makes (exact shapes, vLLM "
-                  f"models/kimi_k3/nvidia/mla.py, FlashMLA dense_decode_fwd)"
-                  + (f"; on compute capability {cc[0]}.{cc[1]} vLLM picks another MLA backend, whose buffers FlashMLA's "
-                     f"shapes stand in for (not read from its code)" if cc[0] != 9 else ""))
+    basis = (f"kernel warmup's forward at max_num_batched_tokens={mnbt} ({split}; FlashMLA decodes up to "
+             f"{FLASHMLA_DECODE_THRESHOLD} tokens a request) holds {peak / GiB:.2f} GiB at layer {last}'s MLA: "
+             f"{extra / GiB:.2f} GiB of its decode path that the profile run never makes (exact shapes, vLLM "
+             f"models/kimi_k3/nvidia/mla.py, FlashMLA dense_decode_fwd)")
+    if cc[0] != 9:
+        basis += (f"; on compute capability {cc[0]}.{cc[1]} vLLM picks another MLA backend, whose buffers FlashMLA's "
+                  "shapes stand in for (not read from its code)")
+    return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, basis)
 
 
 def _moe_workspace_held(model: ModelInventory, layout: Layout, start: int, end: int, moe_tokens: int) -> int:

@@ -32,8 +32,9 @@ logs what warmup began with; less the weights and KV cache vLLM logged, the work
 profile's held sampler buffers, and one hidden state, 0.943 to 0.950 GiB is left with DSpark (256 sequences, 6,144
 and 8,192 tokens) and 0.089 to 0.094 GiB with no draft (128 sequences). Not yet read from vLLM's code. Not charged
 per sequence: at DSpark's 6.06 fp32 ``max_num_seqs x vocab`` copies, the H200's 6-layer DSpark slice at 768
-sequences, which started at 0.88, could not have. Seen at 7 speculative tokens only; an EAGLE3 drafter is charged
-DSpark's."""
+sequences, which started at 0.88, could not have. Round 27 scored it out of sample, at shapes the fit never saw:
+0.933 GiB with DSpark at 128 sequences, 0.948 at 256, and 0.081 with no draft at 256 (the plan 0.002 to 0.018 GiB
+over). Seen at 7 speculative tokens only; an EAGLE3 drafter is charged DSpark's."""
 ALLOCATOR_RESERVE_FRACTION = 0.5
 """Of warmup's largest single request (FlashMLA's fp32 output accumulator where it decodes, 1.51 GiB at 8,192 tokens
 over 128 or 256 requests): what the caching allocator could not hand to it (cached blocks too small or split, and
@@ -74,9 +75,11 @@ def mla_base_bytes_per_token(mla: MlaProjections, heads: int, dtype_bytes: int) 
     """What an MLA layer holds per token in any forward, up to its attention (``_forward_q_lora``): the fused
     q/kv(/gate) latent projection, the normed q and kv latents, the query (heads x (nope + rope)) and the attention
     output (heads x v); the profile run holds these too."""
-    latent = mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim + (heads * mla.v_head_dim if mla.output_gate else 0)
+    gate = heads * mla.v_head_dim if mla.output_gate else 0
+    latent = mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim + gate
     normed = mla.q_lora_rank + mla.kv_lora_rank
-    return dtype_bytes * (latent + normed + heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim) + heads * mla.v_head_dim)
+    query = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    return dtype_bytes * (latent + normed + query + heads * mla.v_head_dim)
 
 
 def _flashmla_splits(batch: WarmupBatch, heads: int, compute_capability: tuple[int, int]) -> int:
@@ -97,7 +100,8 @@ def mla_decode_bytes(batch: WarmupBatch, mla: MlaProjections, heads: int, dtype_
     latent = mla.kv_lora_rank
     per_token = heads * (dtype_bytes * (latent + latent + mla.qk_rope_head_dim + latent) + 4)
     rows = batch.decode_query_len * heads
-    return batch.decode_tokens * per_token + _flashmla_splits(batch, heads, compute_capability) * rows * (latent + 1) * 4
+    accumulators = _flashmla_splits(batch, heads, compute_capability) * rows * (latent + 1) * 4
+    return batch.decode_tokens * per_token + accumulators
 
 
 def mla_prefill_bytes(prefill_tokens: int, mla: MlaProjections, heads: int, dtype_bytes: int) -> int:
