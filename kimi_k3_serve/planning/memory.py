@@ -1146,6 +1146,8 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                       f"output {simulated / GiB:.2f} (exact shapes, vLLM mla_attention.py forward_impl)")
             peak = max(peak, step)
     kda = mnbt * kda_forward_peak_bytes_per_token(model, layout, start, end)
+    # The MoE buffers the forward grew (its peak less the per-token part): still held under a later attention layer.
+    moe_held = fwd - mnbt * kimi_forward_peak_bytes_per_token(model, start, end) if model.attn_res_block_size else 0
     if kda:
         # A KDA layer's own forward peaks apart from the MoE layer's, and before the last stage's sampler and draft
         # steps, which run once the forward's temporaries are freed: the larger of the two peaks is the profile's.
@@ -1153,14 +1155,11 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
         # whose KDA layers all come first, such as stage 0 of a PP2 slice, has not grown it yet).
         moe_before_kda = any(model.layers[i].mlp == "moe" and any(isinstance(model.layers[j].kv, KdaState)
                                                                   for j in range(i + 1, end)) for i in range(start, end))
-        workspace = fwd - mnbt * kimi_forward_peak_bytes_per_token(model, start, end)
         # The last KDA layer's, beside the aux hidden states captured before it (H200: the profile of full-width
         # slices with DSpark at 4,096 tokens ran 0.09 GiB over the plan with 2 held, 0.20-0.22 GiB with 4).
         last_kda = max(i for i in range(start, end) if isinstance(model.layers[i].kv, KdaState))
         aux = _aux_held_bytes(model, aux_layers, start, last_kda, mnbt)
-        kda_peak = kda + (workspace if moe_before_kda else 0) + aux
-        if aux_layers:
-            kda_peak += int(hidden_state_bytes(model, mnbt) * DSPARK_KDA_PEAK_HIDDEN_COPIES)
+        kda_peak = kda + (moe_held if moe_before_kda else 0) + aux + _dspark_held_copies_bytes(model, aux_layers, mnbt)
         if kda_peak > peak:
             basis = (f"a KDA layer's forward at max_num_batched_tokens={mnbt} ({kda // mnbt:,} B per token, exact "
                      f"shapes, vLLM models/kimi_k3/nvidia/kda.py)"
@@ -1169,7 +1168,7 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                      + (f" + {DSPARK_KDA_PEAK_HIDDEN_COPIES:g} hidden states the draft adds there (fitted)"
                         if aux_layers else "") + f" over the MoE layers' peak and what follows it ({basis})")
             peak = kda_peak
-    warmup = _mla_warmup_peak(model, layout, start, end, mnbt, seqs, fwd, aux_layers, draft, num_spec, cc)
+    warmup = _mla_warmup_peak(model, layout, start, end, mnbt, seqs, moe_held, aux_layers, draft, num_spec, cc)
     if warmup.bytes:
         warmup = replace(warmup, bytes=warmup.bytes + held)
     peak += held
@@ -1187,7 +1186,13 @@ class MlaWarmupPeak:
     basis: str
 
 
-def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int, mnbt: int, seqs: int, fwd: int,
+def _dspark_held_copies_bytes(model: ModelInventory, aux_layers: Sequence[int], mnbt: int) -> int:
+    """The hidden states a DSpark draft adds beside an attention layer's forward (``DSPARK_KDA_PEAK_HIDDEN_COPIES``,
+    fitted); 0 without one (``aux_layers`` empty)."""
+    return int(hidden_state_bytes(model, mnbt) * DSPARK_KDA_PEAK_HIDDEN_COPIES) if aux_layers else 0
+
+
+def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int, mnbt: int, seqs: int, moe_held: int,
                      aux_layers: Sequence[int], draft: ModelInventory | None, num_spec: int,
                      cc: tuple[int, int]) -> MlaWarmupPeak:
     """What the kernel-warmup forward holds at its last MLA layer's FlashMLA call, as the profile's KDA branch counts
@@ -1208,10 +1213,8 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     residual_side = cdiv(end, model.attn_res_block_size) + 3
     per_token = b * model.hidden_size * residual_side + mla_base_bytes_per_token(mla, heads, b)
     moe_before = any(model.layers[i].mlp == "moe" for i in range(start, last))
-    workspace = fwd - mnbt * kimi_forward_peak_bytes_per_token(model, start, end) if moe_before else 0
-    aux = _aux_held_bytes(model, aux_layers, start, last, mnbt)
-    if aux_layers:
-        aux += int(hidden_state_bytes(model, mnbt) * DSPARK_KDA_PEAK_HIDDEN_COPIES)
+    workspace = moe_held if moe_before else 0
+    aux = _aux_held_bytes(model, aux_layers, start, last, mnbt) + _dspark_held_copies_bytes(model, aux_layers, mnbt)
     peak = mnbt * per_token + extra + workspace + aux
     split = (f"{batch.decode_requests:,} decodes of {batch.decode_query_len} tokens"
              + (f" and {mnbt - batch.decode_tokens:,} prefill tokens" if batch.decode_tokens < mnbt else ""))
