@@ -172,7 +172,7 @@ def test_the_ranks_matrix_names_each_runs_role_before_it_runs(capsys):
         assert main(["rehearse", *job.args, "--dry-run", "--json"]) == 0, job.name
         out = json.loads(capsys.readouterr().out)
         assert out["engine_kwargs"]["tensor_parallel_size"] == 1 and len(out["gpus"]) == 1
-        if "--rank-of" in job.args:
+        if "--rank-of" in job.args and job.name not in matrix.AT_THE_SLICES_OWN_EDGE:
             assert out["rank_of"]["real_verdict"] in ("fits", "at_risk"), job.name
 
 

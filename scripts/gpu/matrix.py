@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 DSPARK = '{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}'
+DSPARK_3 = '{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 3}'
 EAGLE3 = '{"method": "eagle3", "model": "kimi-k3-eagle3", "num_speculative_tokens": 3}'
 EAGLE3_MLA = '{"method": "eagle3", "model": "kimi-k3-eagle3-mla", "num_speculative_tokens": 3}'
 KIMI_ENGINE = {"moe_backend": "marlin", "attention_backend": "FLASHMLA"}
@@ -456,6 +457,22 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b8192-s256-dspark-u091-h100", 4, tokens=8192, seqs=256, util=0.91, role="validation",
              expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-fourth session), before these run, for an H200. All validation runs of the warmup
+    # term (planning/warmup.py; PERSISTENT_AFTER_PROFILE and ALLOCATOR_RESERVE_FRACTION fitted on an H100's 4-layer
+    # slices) where no run has been: an H200, 6 layers, 16,384 batched tokens (a warmup forward of 10.97 GiB, twice
+    # any run's), 3 speculative tokens, and a TP8 rank of stage 1 at 512 sequences (12 MLA heads, 44 layers; FlashKDA's
+    # buffers and the warmup decode set the plan's 4.26 GiB after the KV cache). Each is the plan's proposed largest
+    # safe utilization, where vLLM must start, or 0.005 above it, where the plan says vLLM runs out of memory in warmup.
+    "ranks-round25": [
+        kimi("k6-tp1-b16384-s256-dspark-u0935", 6, tokens=16384, seqs=256, util=0.935, role="validation",
+             expected_s=200),
+        kimi("k6-tp1-b8192-s256-dspark3-u096", 6, tokens=8192, seqs=256, util=0.96, draft=DSPARK_3, role="validation",
+             expected_s=170),
+        rank("r44-s1-dspark-b8192-s512-u0965", 1, role="validation", tokens=8192, seqs=512, util=0.965, expected_s=330),
+        kimi("k6-tp1-b16384-s256-dspark-u094", 6, tokens=16384, seqs=256, util=0.94, role="validation",
+             expected_s=170),
+        rank("r44-s1-dspark-b8192-s512-u097", 1, role="validation", tokens=8192, seqs=512, util=0.97, expected_s=300),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
@@ -473,6 +490,11 @@ SETS: dict[str, list[Job]] = {
         stage("s1-tp8-nvls-on", 1, role="validation", nvls=True),
     ],
 }
+
+
+AT_THE_SLICES_OWN_EDGE = frozenset({"r44-s1-dspark-b8192-s512-u0965", "r44-s1-dspark-b8192-s512-u097"})
+"""Rank jobs at the rank slice's own proposal or just above it: they score the slice's warmup terms, so the real
+layout, whose NCCL and all-reduce buffers take room the slice has, does not fit there."""
 
 
 REFUSED_SINCE_THEY_RAN = {"r44-s1-dspark-fp8kv": "engine.kv_cache_dtype"}
