@@ -41,6 +41,7 @@ from kimi_k3_serve.planning.fused_allreduce import zero_residual
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.warmup import (
     ALLOCATOR_RESERVE_FRACTION,
+    ALLOCATOR_RESERVE_FRACTION_LOW,
     FLASHMLA_DECODE_THRESHOLD,
     mla_base_bytes_per_token,
     mla_warmup,
@@ -229,6 +230,9 @@ class StageCosts:
     """Workspaces vLLM's profile sees: taken from the KV budget."""
     after_kv_bytes: int
     """Allocated after vLLM sizes the KV cache: must fit outside the budget."""
+    warmup_band_bytes: int
+    """How much less of ``after_kv_bytes`` warmup needs at the low end of the allocator reserve's band
+    (``ALLOCATOR_RESERVE_FRACTION_LOW``)."""
 
     @property
     def non_kv_bytes(self) -> int:
@@ -259,7 +263,8 @@ class RankMemory(StageCosts):
     headroom_bytes: int
     local_layers: int = 0
     warmup_shortfall_bytes: int = 0
-    """How far ``after_kv_bytes`` overruns the headroom: vLLM would OOM during warmup by this much."""
+    """How far ``after_kv_bytes`` overruns the headroom: vLLM would OOM during warmup by this much (it may start where
+    this is within ``warmup_band_bytes``)."""
     warmup_forward_bytes: int = 0
     """What kernel warmup's forward allocates at its peak (``MlaWarmupPeak.forward_bytes``; 0: not modelled)."""
 
@@ -275,7 +280,7 @@ class RankMemory(StageCosts):
             "budget_bytes": self.budget_bytes, "kv_cache_bytes": self.kv_cache_bytes, "num_blocks": self.num_blocks,
             "shortfall_bytes": self.shortfall_bytes, "headroom_bytes": self.headroom_bytes,
             "after_kv_bytes": self.after_kv_bytes, "warmup_shortfall_bytes": self.warmup_shortfall_bytes,
-            "warmup_forward_bytes": self.warmup_forward_bytes,
+            "warmup_forward_bytes": self.warmup_forward_bytes, "warmup_band_bytes": self.warmup_band_bytes,
         }
 
 
@@ -584,7 +589,7 @@ def estimate_memory(
         # Kernel warmup runs before any graph is captured: its forward's peak over the profile's first fills the
         # CUDA-graph estimate (less the workspace its profiling grew and kept); that, what was allocated since the
         # profile and the allocator's reserve must fit outside the budget.
-        warmup = 0
+        warmup = warmup_band = 0
         if warmup_peak.bytes and not engine.enforce_eager:
             graphs_free = max(0, cg - cg_kept)
             over = warmup_peak.bytes - act
@@ -592,15 +597,18 @@ def estimate_memory(
                                                    None if draft is None else draft.family, s == layout.pp - 1)
             reserve = int(ALLOCATOR_RESERVE_FRACTION * warmup_peak.largest_request_bytes)
             warmup = max(0, over - graphs_free + since + reserve)
+            warmup_band = min(warmup, reserve - int(ALLOCATOR_RESERVE_FRACTION_LOW * warmup_peak.largest_request_bytes))
             estimates.append(Estimate("warmup_mla_decode", s, warmup, 0, warmup_peak.basis
                                       + f"; {over / GiB:+.2f} GiB over the profile's peak, less the "
                                       f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured, plus "
                                       f"{since / GiB:.2f} GiB allocated since the profile (fitted) and the "
                                       f"allocator's reserve, {ALLOCATOR_RESERVE_FRACTION:.0%} of its largest request "
-                                      f"({reserve / GiB:.2f} GiB, measured): "
+                                      f"({reserve / GiB:.2f} GiB; {ALLOCATOR_RESERVE_FRACTION_LOW:.0%} to "
+                                      f"{ALLOCATOR_RESERVE_FRACTION:.0%} measured): "
                                       f"{warmup / GiB:.2f} GiB outside the budget"))
         warmup_forwards.append(warmup_peak.forward_bytes if not engine.enforce_eager else 0)
-        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv + warmup))
+        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv + warmup,
+                                      warmup_band))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
     rank_stage = [layout.stage_of_rank(r) for r in range(world)]
@@ -643,14 +651,16 @@ def estimate_memory(
             block_size=block_size, page_bytes=page, bytes_per_block=bpb, state_bytes_per_seq=state_blocks * bpb,
             num_blocks=pool.num_blocks_per_worker[r], shortfall_bytes=shortfall,
             headroom_bytes=headroom, local_layers=len(local[s]),
-            after_kv_bytes=c.after_kv_bytes,
+            after_kv_bytes=c.after_kv_bytes, warmup_band_bytes=c.warmup_band_bytes,
             warmup_shortfall_bytes=max(0, c.after_kv_bytes - max(headroom, 0)) if c.after_kv_bytes else 0,
             warmup_forward_bytes=warmup_forwards[s],
         ))
     worst = max(ranks, key=lambda x: x.shortfall_bytes)
     full_graphs = bool(state_groups) and not engine.enforce_eager
     verdict = _verdict(ranks, devs, [stage_costs[s] for s in rank_stage], pool, seqs if full_graphs else 0)
-    if verdict == "fits" and (any(banded.shortfall_bytes) or banded.num_blocks < banded.blocks_per_request
+    if verdict == "fits" and any(r.warmup_shortfall_bytes for r in ranks):
+        verdict = "at_risk"  # the note below says by how much, and within what
+    elif verdict == "fits" and (any(banded.shortfall_bytes) or banded.num_blocks < banded.blocks_per_request
                               or (full_graphs and seqs > banded.num_blocks)):
         verdict = "at_risk"
         notes.append(f"at risk: it fits at the plan's point estimates, not with their measured error bands against it "
@@ -675,9 +685,13 @@ def estimate_memory(
     safe_util = _safe_utilization(ranks, model, world, cc)
     warm = max(ranks, key=lambda x: x.warmup_shortfall_bytes)
     if warm.warmup_shortfall_bytes:
+        within = warm.warmup_shortfall_bytes <= warm.warmup_band_bytes
         notes.append(
-            f"vLLM would OOM allocating the KV cache or in warmup on rank {warm.rank} by "
-            f"{warm.warmup_shortfall_bytes / GiB:.2f} GiB: {warm.after_kv_bytes / GiB:.2f} GiB that vLLM's KV sizing does "
+            (f"at risk: vLLM may OOM in warmup on rank {warm.rank}, short by {warm.warmup_shortfall_bytes / GiB:.2f} "
+             f"GiB, within the allocator reserve's measured band ({warm.warmup_band_bytes / GiB:.2f} GiB) either way: "
+             if within else f"vLLM would OOM allocating the KV cache or in warmup on rank {warm.rank} by "
+             f"{warm.warmup_shortfall_bytes / GiB:.2f} GiB: ")
+            + f"{warm.after_kv_bytes / GiB:.2f} GiB that vLLM's KV sizing does "
             f"not see (its shared workspace grown past the profile's: TRITON_MLA's decode logits for a DSpark draft "
             f"before the KV cache, FlashKDA's prefill buffers in warmup; what kernel warmup's MLA decode path holds "
             f"beyond the CUDA-graph estimate; with enforce_eager at TP > 1, the fused all-reduce's residuals) and only "
@@ -826,9 +840,9 @@ def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Seq
         return "no_kv_space"
     if seqs_needing_state_blocks > pool.num_blocks:
         return "seqs_over_state_blocks"  # compilation.py: max_num_seqs > kv_cache_config.num_blocks with Mamba layers
-    if any(r.warmup_shortfall_bytes for r in ranks):
+    if any(r.warmup_shortfall_bytes > r.warmup_band_bytes for r in ranks):
         return "oom_at_warmup"
-    return "fits"
+    return "fits"  # a warmup shortfall within the reserve's band is "at risk" (estimate_memory)
 
 
 def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world: int, cc: tuple[int, int]) -> float | None:
@@ -1198,8 +1212,10 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     """What the kernel-warmup forward holds at its last MLA layer's FlashMLA call, as the profile's KDA branch counts
     a KDA layer's: the residual side of a layer that opens no block, the layer's own tensors
     (``warmup.mla_base_bytes_per_token``) and its decode or prefill part (``warmup.mla_warmup``), the
-    aux hidden states captured before it (and, with DSpark, the fitted held copies), and the MoE workspace once a MoE
-    layer has run before it. Zero where the stage has no MLA layer or the model is not Kimi-K3."""
+    aux hidden states captured before it, and the MoE workspace once a MoE layer has run before it. Not the held
+    copies DSpark adds to the profile's KDA peak (``DSPARK_KDA_PEAK_HIDDEN_COPIES``): the plugin read this forward at
+    5.35 GiB with DSpark where the plan, with them, said 5.49 (round 26's fit run, k4-tp1-b8192-s256-dspark-u088-h100,
+    H100), and 5.02 / 5.02 with no draft. Zero where the stage has no MLA layer or the model is not Kimi-K3."""
     mla = model.mla
     mla_layers = [i for i in range(start, end) if isinstance(model.layers[i].kv, MlaKv)]
     if mla is None or not mla_layers or not model.attn_res_block_size:
@@ -1214,7 +1230,7 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     per_token = b * model.hidden_size * residual_side + mla_base_bytes_per_token(mla, heads, b)
     moe_before = any(model.layers[i].mlp == "moe" for i in range(start, last))
     workspace = moe_held if moe_before else 0
-    aux = _aux_held_bytes(model, aux_layers, start, last, mnbt) + _dspark_held_copies_bytes(model, aux_layers, mnbt)
+    aux = _aux_held_bytes(model, aux_layers, start, last, mnbt)
     peak = mnbt * per_token + extra + workspace + aux
     split = (f"{batch.decode_requests:,} decodes of {batch.decode_query_len} tokens"
              + (f" and {mnbt - batch.decode_tokens:,} prefill tokens" if batch.decode_tokens < mnbt else ""))

@@ -459,17 +459,19 @@ SETS: dict[str, list[Job]] = {
     ],
     # Roles fixed 2026-12-06 (thirty-fourth session), before these run, for an H200. All validation runs of the warmup
     # term (planning/warmup.py; PERSISTENT_AFTER_PROFILE and ALLOCATOR_RESERVE_FRACTION fitted on an H100's 4-layer
-    # slices) where no run has been: an H200, 6 layers, 16,384 batched tokens (a warmup forward of 10.97 GiB, twice
+    # slices) where no run has been: an H200, 6 layers, 16,384 batched tokens (a warmup forward of 10.68 GiB, twice
     # any run's), 3 speculative tokens, and a TP8 rank of stage 1 at 512 sequences (12 MLA heads, 44 layers; FlashKDA's
     # buffers and the warmup decode set the plan's 4.26 GiB after the KV cache). Each is the plan's proposed largest
-    # safe utilization, where vLLM must start, or 0.005 above it, where the plan says vLLM runs out of memory in warmup.
+    # safe utilization, where vLLM must start, or 0.005 above it, where the plan says vLLM runs out of memory in
+    # warmup. Utilizations are the proposals of the plan shipped with this set (the warmup forward without DSpark's
+    # held profile copies, same session), before any of them ran.
     "ranks-round25": [
-        kimi("k6-tp1-b16384-s256-dspark-u0935", 6, tokens=16384, seqs=256, util=0.935, role="validation",
-             expected_s=200),
-        kimi("k6-tp1-b8192-s256-dspark3-u096", 6, tokens=8192, seqs=256, util=0.96, draft=DSPARK_3, role="validation",
-             expected_s=170),
-        rank("r44-s1-dspark-b8192-s512-u0965", 1, role="validation", tokens=8192, seqs=512, util=0.965, expected_s=330),
         kimi("k6-tp1-b16384-s256-dspark-u094", 6, tokens=16384, seqs=256, util=0.94, role="validation",
+             expected_s=200),
+        kimi("k6-tp1-b8192-s256-dspark3-u0965", 6, tokens=8192, seqs=256, util=0.965, draft=DSPARK_3,
+             role="validation", expected_s=170),
+        rank("r44-s1-dspark-b8192-s512-u0965", 1, role="validation", tokens=8192, seqs=512, util=0.965, expected_s=330),
+        kimi("k6-tp1-b16384-s256-dspark-u0945", 6, tokens=16384, seqs=256, util=0.945, role="validation",
              expected_s=170),
         rank("r44-s1-dspark-b8192-s512-u097", 1, role="validation", tokens=8192, seqs=512, util=0.97, expected_s=300),
     ],
