@@ -475,6 +475,17 @@ SETS: dict[str, list[Job]] = {
              expected_s=170),
         rank("r44-s1-dspark-b8192-s512-u097", 1, role="validation", tokens=8192, seqs=512, util=0.97, expected_s=300),
     ],
+    # Roles fixed 2026-12-06 (thirty-fourth session), before these run, for an H100 80GB when no H200 came: validation
+    # runs of the warmup term as shipped with ranks-round25 (the forward without DSpark's held profile copies, the
+    # allocator reserve's band), at shapes no H100 run had: 3 speculative tokens (DSpark's warmup batch splits at
+    # tokens // 3), and 12,288 tokens over 192 requests (64-token decodes, a warmup forward of 8.01 GiB). Each at the
+    # plan's proposed largest safe utilization, where vLLM must start.
+    "ranks-round26-h100": [
+        kimi("k4-tp1-b12288-s192-dspark3-u0925-h100", 4, tokens=12288, seqs=192, util=0.925, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s256-dspark3-u093-h100", 4, tokens=8192, seqs=256, util=0.93, draft=DSPARK_3,
+             role="validation", expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
