@@ -670,7 +670,8 @@ def estimate_memory(
         # The boundary is a count of blocks, which a fraction of a percent of the pool moves (vLLM made 513 blocks for
         # 512 sequences on k8-tp1-b8192-s512-nodraft): short by less than the bands, it may as well fit.
         short = (seqs - pool.num_blocks) * max(pool.bytes_per_block)
-        if short <= max(bands):
+        # Not where warmup would run out of memory beyond its band once the graphs were allowed.
+        if short <= max(bands) and not any(r.warmup_shortfall_bytes > r.warmup_band_bytes for r in ranks):
             verdict = "at_risk"
             notes.append(f"at risk: {pool.num_blocks} KV blocks at the plan's point estimates for max_num_seqs={seqs} "
                          f"(each decoding sequence holds a state block), {short / GiB:.2f} GiB short, within the "
