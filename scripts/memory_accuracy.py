@@ -91,6 +91,14 @@ READ_BEFORE_A_CHANGE = {
                                             "reserve was bounded on it (round 26's refit)",
     "k4-tp1-b8192-s128-nodraft-u095-h100": "called \"at risk\" 0.005 above the proposal; vLLM ran out of memory in "
                                            "warmup (round 26's refit bounded the reserve on it)",
+    "k4-tp1-b8192-s128-dspark-u095-h100": "called \"does not fit\" 0.005 above the proposal (0.33 GiB short in "
+                                          "warmup), where vLLM started: the warmup forward dropped DSpark's held "
+                                          "profile copies and the allocator's reserve got its band after this run "
+                                          "(2026-12-06)",
+    "k4-tp1-b8192-s256-dspark-u091-h100": "called \"does not fit\" 0.005 above the proposal (0.17 GiB short in "
+                                          "warmup), where vLLM started (the same changes, 2026-12-06)",
+    "k4-tp1-b8192-s256-nodraft-u0955-h100": "called \"does not fit\" 0.005 above the proposal, and vLLM ran out of "
+                                            "memory in warmup; the allocator reserve's band was chosen after this run",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""
@@ -264,6 +272,10 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
         kv_sized = any(w.available_kv_bytes is not None for w in reading.workers)
         if reading.errors:
             why = f"vLLM stopped: {_root_cause(reading.errors)}"
+        elif timed_out and any(w.consumed_bytes is not None for w in reading.workers):
+            # vLLM's closing memory summary (gpu_worker.py), logged once warmup and the real capture are done
+            why = ("stopped at its --timeout after warmup and CUDA-graph capture, before vLLM logged the engine ready: "
+                   "the memory terms are measured, vLLM's verdict is not")
         elif timed_out and kv_sized:
             # vLLM logged its profile, CUDA-graph estimate and KV cache; the warmup after them never ended
             why = ("stopped at its --timeout after vLLM sized the KV cache, during kernel warmup: the memory terms "
