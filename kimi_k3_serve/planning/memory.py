@@ -671,7 +671,7 @@ def estimate_memory(
         # 512 sequences on k8-tp1-b8192-s512-nodraft): short by less than the bands, it may as well fit.
         short = (seqs - pool.num_blocks) * max(pool.bytes_per_block)
         # Not where warmup would run out of memory beyond its band once the graphs were allowed.
-        if short <= max(bands) and not any(r.warmup_shortfall_bytes > r.warmup_band_bytes for r in ranks):
+        if short <= max(bands) and not _fails_in_warmup(ranks):
             verdict = "at_risk"
             notes.append(f"at risk: {pool.num_blocks} KV blocks at the plan's point estimates for max_num_seqs={seqs} "
                          f"(each decoding sequence holds a state block), {short / GiB:.2f} GiB short, within the "
@@ -841,9 +841,14 @@ def _verdict(ranks: Sequence[RankMemory], devs: Sequence[RankDevice], costs: Seq
         return "no_kv_space"
     if seqs_needing_state_blocks > pool.num_blocks:
         return "seqs_over_state_blocks"  # compilation.py: max_num_seqs > kv_cache_config.num_blocks with Mamba layers
-    if any(r.warmup_shortfall_bytes > r.warmup_band_bytes for r in ranks):
+    if _fails_in_warmup(ranks):
         return "oom_at_warmup"
     return "fits"  # a warmup shortfall within the reserve's band is "at risk" (estimate_memory)
+
+
+def _fails_in_warmup(ranks: Sequence[RankMemory]) -> bool:
+    """Some rank is short in warmup beyond the allocator reserve's band: vLLM runs out of memory there."""
+    return any(r.warmup_shortfall_bytes > r.warmup_band_bytes for r in ranks)
 
 
 def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world: int, cc: tuple[int, int]) -> float | None:

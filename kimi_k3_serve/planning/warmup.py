@@ -40,8 +40,9 @@ ALLOCATOR_RESERVE_FRACTION = 0.5
 over 128 or 256 requests): what the caching allocator could not hand to it (cached blocks too small or split, and
 non-torch memory past the plan's). Round 26 (H100), in the plan's own terms: warmup ran out of memory with 0.48 GiB
 left outside the budget beyond the rest of its need (k4-tp1-b8192-s128-nodraft-u095-h100), and started with 0.88 (the
-same shape at 0.945): 30 to 54 % of the request. Near the top, so the verdict errs toward "does not fit"; a TP8 rank
-at 0.995, whose warmup makes no request near that size, started (r44-s1-dspark-u0995)."""
+same shape at 0.945): 32 to 58 % of the request. "Fits" and the proposed utilization take this, near the top; down
+to ``ALLOCATOR_RESERVE_FRACTION_LOW`` the verdict is "at risk". A TP8 rank at 0.995, whose warmup makes no request
+near that size, started (r44-s1-dspark-u0995)."""
 ALLOCATOR_RESERVE_FRACTION_LOW = 0.3
 """The low end of the reserve's band: round 26's fit runs ran out of memory with 32 % of the request left (once the
 warmup forward no longer counted DSpark's held profile copies) and started with 58 %. Between this and
