@@ -486,6 +486,19 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b8192-s256-dspark3-u093-h100", 4, tokens=8192, seqs=256, util=0.93, draft=DSPARK_3,
              role="validation", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-fifth session), before these run, for an H100 80GB: validation runs of the warmup
+    # term and the allocator reserve's band at shapes no run has had: no draft at 16,384 batched tokens (a warmup
+    # forward of 10.04 GiB, FlashKDA's prefill buffers at their largest) and no draft at 384 sequences. Each at the
+    # plan's proposed largest safe utilization, where vLLM must start, and the 16,384-token shape at 0.905, the first
+    # utilization the plan calls "does not fit" (0.92 GiB short in warmup, beyond the band).
+    "ranks-round27-h100": [
+        kimi("k4-tp1-b16384-s128-nodraft-u089-h100", 4, tokens=16384, seqs=128, util=0.89, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b16384-s128-nodraft-u0905-h100", 4, tokens=16384, seqs=128, util=0.905, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b6144-s384-nodraft-u096-h100", 4, tokens=6144, seqs=384, util=0.96, draft=None,
+             role="validation", expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
