@@ -39,6 +39,12 @@ from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split,
 from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.fused_allreduce import zero_residual
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
+from kimi_k3_serve.planning.capture import (
+    CAPTURE_RESERVE_FRACTION,
+    CAPTURE_RESERVE_FRACTION_LOW,
+    capture_prefill_requests,
+    gathered_states_bytes,
+)
 from kimi_k3_serve.planning.warmup import (
     ALLOCATOR_RESERVE_FRACTION,
     ALLOCATOR_RESERVE_FRACTION_LOW,
@@ -606,6 +612,14 @@ def estimate_memory(
                                       f"({reserve / GiB:.2f} GiB; {ALLOCATOR_RESERVE_FRACTION_LOW:.0%} to "
                                       f"{ALLOCATOR_RESERVE_FRACTION:.0%} measured): "
                                       f"{warmup / GiB:.2f} GiB outside the budget"))
+            capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc, has_kda,
+                                                    held=warmup_peak.bytes - warmup_peak.forward_bytes, act=act,
+                                                    graphs_free=graphs_free, since=since, estimates=estimates)
+            # The capture runs once warmup has freed its forward: the larger need counts, and vLLM fails for sure
+            # where either one is short beyond its own band.
+            beyond = max(warmup - warmup_band, capture - capture_band)
+            warmup = max(warmup, capture)
+            warmup_band = warmup - beyond
         warmup_forwards.append(warmup_peak.forward_bytes if not engine.enforce_eager else 0)
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv + warmup,
                                       warmup_band))
@@ -1210,6 +1224,36 @@ def _dspark_held_copies_bytes(model: ModelInventory, aux_layers: Sequence[int], 
     """The hidden states a DSpark draft adds beside an attention layer's forward (``DSPARK_KDA_PEAK_HIDDEN_COPIES``,
     fitted); 0 without one (``aux_layers`` empty)."""
     return int(hidden_state_bytes(model, mnbt) * DSPARK_KDA_PEAK_HIDDEN_COPIES) if aux_layers else 0
+
+
+def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
+                    mnbt: int, seqs: int, cc: tuple[int, int], has_kda: bool, *, held: int, act: int, graphs_free: int,
+                    since: int, estimates: list[Estimate]) -> tuple[int, int]:
+    """What the real capture of the largest PIECEWISE graph needs outside the budget for KDA's gathered states and the
+    allocator's reserve (planning/capture.py), and the part of it within the reserve's measured band; (0, 0) where
+    that capture makes no such request."""
+    kda = next((model.layers[i].kv for i in range(start, end) if isinstance(model.layers[i].kv, KdaState)), None)
+    if not has_kda or kda is None:
+        return 0, 0
+    query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
+    largest = cuda_graph_capture_sizes(seqs, query_len, mnbt, cc)[-1]
+    requests = capture_prefill_requests(seqs, query_len, largest)
+    state_bytes = 2 if engine.mamba_ssm_cache_dtype == "bfloat16" else 4
+    gather = gathered_states_bytes(requests, max(1, kda.num_heads // layout.tp), kda.head_dim, state_bytes)
+    if not gather:
+        return 0, 0
+    need = held + int((1 + CAPTURE_RESERVE_FRACTION) * gather) - act - graphs_free + since
+    capture = max(0, need)
+    band = min(capture, int((CAPTURE_RESERVE_FRACTION - CAPTURE_RESERVE_FRACTION_LOW) * gather))
+    estimates.append(Estimate("capture_kda_gather", stage, capture, 0,
+                              f"the CUDA-graph capture after warmup, at its largest graph ({largest} tokens over "
+                              f"{requests} requests, KDA's prefill path): {gather / GiB:.2f} GiB of gathered recurrent "
+                              f"states in one request (vLLM gather_initial_states) and the allocator's reserve, "
+                              f"{CAPTURE_RESERVE_FRACTION:.1f} times it ({CAPTURE_RESERVE_FRACTION_LOW:.2f} to "
+                              f"{CAPTURE_RESERVE_FRACTION:.1f} measured), less the profile's transient peak and the "
+                              f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured: "
+                              f"{capture / GiB:.2f} GiB outside the budget"))
+    return capture, band
 
 
 def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int, mnbt: int, seqs: int, moe_held: int,

@@ -499,6 +499,17 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b6144-s384-nodraft-u096-h100", 4, tokens=6144, seqs=384, util=0.96, draft=None,
              role="validation", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-fifth session), before these run, for an H100 80GB: validation runs of the
+    # capture term (planning/capture.py: KDA's gathered states at the largest PIECEWISE graph, and the allocator's
+    # reserve for them, chosen on round 30's failed capture and round 27's passing one). Round 30's shape (no draft,
+    # 384 sequences) at the proposal of the plan with the term, where vLLM must start, then at 0.93, which the plan
+    # calls "at risk" (1.59 GiB short, within the reserve's band).
+    "ranks-round28-h100": [
+        kimi("k4-tp1-b6144-s384-nodraft-u0905-h100", 4, tokens=6144, seqs=384, util=0.905, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b6144-s384-nodraft-u093-h100", 4, tokens=6144, seqs=384, util=0.93, draft=None,
+             role="validation", expected_s=120),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [

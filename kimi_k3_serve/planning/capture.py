@@ -1,0 +1,42 @@
+"""vLLM 0.32's real CUDA-graph capture, after kernel warmup: the single request KDA makes at its largest graph.
+
+``gpu_worker.compile_or_warm_up_model`` captures the graphs once warmup is done (``model_runner.capture_model``),
+largest size first. Each PIECEWISE capture is a dummy run of ``size`` tokens over ``min(size, max_num_seqs)``
+requests (v1/worker/gpu/model_runner.py ``_dummy_run``); past ``max_num_seqs`` x the decode query length a request
+has more than a decode step's tokens, so KDA takes its prefill path (models/kimi_k3/nvidia/kda.py ``_forward``), and
+``gather_initial_states`` (model_executor/layers/mamba/ops/gather_initial_states.py) allocates one recurrent state
+per request, ``(requests, heads, head_dim, head_dim)`` in the state's dtype, with ``torch.empty``: one block, layer
+after layer. Round 30 (H100, tests/fixtures/gpu/2026-12-06-round30): a 4-layer full-width slice with no draft at
+384 sequences asked for 384 x 96 x 128 x 128 x 4 B = 2.25 GiB there, at the plan's proposed utilization (0.96), and
+ran out of memory with 2.16 GiB free and 2.27 GiB cached by the allocator in segments warmup had left in use. The
+CUDA-graph estimate vLLM sized the KV cache with had held the same request twice and let it go (the released cache
+at its first FULL sample), so nothing inside the budget keeps room for it. Pure.
+"""
+
+from __future__ import annotations
+
+CAPTURE_RESERVE_FRACTION = 2.85
+"""Room the allocator needs at the capture beyond the gathered states, as a multiple of them, in the plan's terms
+(what the plan leaves outside the budget, the profile's transient peak and the graphs' estimate not yet captured,
+less what warmup left allocated): warmup's own cached blocks sit in segments that later allocations keep in use, so
+far more than the request itself must be left. Measured on the H100's 4-layer slices with no draft, both validation
+runs read before this term was chosen (2026-12-06): the capture ran out of memory with 1.09 times the request left
+(384 sequences, 2.25 GiB, round 30) and passed with 2.89 (256 sequences, 1.50 GiB, round 27). "Fits" and the
+proposed utilization take the passing run's, rounded down; from there down to ``CAPTURE_RESERVE_FRACTION_LOW`` the
+verdict is "at risk". Warmup's own largest request needs far less (``warmup.ALLOCATOR_RESERVE_FRACTION``): it comes
+before warmup's blocks are cached."""
+CAPTURE_RESERVE_FRACTION_LOW = 1.1
+"""The low end of the capture reserve's band: the failed capture had 1.09 times its request left; below 1.1 the
+verdict is "does not fit"."""
+
+
+def capture_prefill_requests(max_num_seqs: int, decode_query_len: int, largest_capture: int) -> int:
+    """The requests of the largest PIECEWISE capture whose states KDA gathers: ``min(size, max_num_seqs)`` where the
+    size exceeds ``max_num_seqs`` decode steps (KDA's prefill path), else 0 (a decode batch gathers nothing)."""
+    seqs = max(max_num_seqs, 1)
+    return min(largest_capture, seqs) if largest_capture > seqs * decode_query_len else 0
+
+
+def gathered_states_bytes(requests: int, local_heads: int, head_dim: int, state_dtype_bytes: int) -> int:
+    """``gather_initial_states``' output for one KDA layer: one ``(heads, head_dim, head_dim)`` state a request."""
+    return requests * local_heads * head_dim * head_dim * state_dtype_bytes
