@@ -99,6 +99,13 @@ READ_BEFORE_A_CHANGE = {
                                           "warmup), where vLLM started (the same changes, 2026-12-06)",
     "k4-tp1-b8192-s256-nodraft-u0955-h100": "called \"does not fit\" 0.005 above the proposal, and vLLM ran out of "
                                             "memory in warmup; the allocator reserve's band was chosen after this run",
+    "k4-tp1-b6144-s384-nodraft-u096-h100": "called \"fits\" at the utilization the plan proposed (0.96), where vLLM "
+                                           "ran out of memory capturing its largest CUDA graph (KDA's 2.25 GiB of "
+                                           "gathered states): the capture term (planning/capture.py) and its "
+                                           "reserve's low end were chosen on this run (2026-12-06)",
+    "k4-tp1-b8192-s256-nodraft-u095-h100": "called \"fits\" at the proposal (0.95) and started; the capture "
+                                           "reserve (planning/capture.py) was set to what its capture passed with "
+                                           "(2026-12-06)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

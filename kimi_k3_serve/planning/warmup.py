@@ -34,7 +34,9 @@ and 8,192 tokens) and 0.089 to 0.094 GiB with no draft (128 sequences). Not yet 
 per sequence: at DSpark's 6.06 fp32 ``max_num_seqs x vocab`` copies, the H200's 6-layer DSpark slice at 768
 sequences, which started at 0.88, could not have. Round 27 scored it out of sample, at shapes the fit never saw:
 0.933 GiB with DSpark at 128 sequences, 0.948 at 256, and 0.081 with no draft at 256 (the plan 0.002 to 0.018 GiB
-over). Seen at 7 speculative tokens only; an EAGLE3 drafter is charged DSpark's."""
+over). Rounds 29 to 32 (H100, out of sample): 0.021 to 0.026 GiB under at 3 speculative tokens and with no draft at
+384 sequences, inside the allocator reserve's margin; 0.11 GiB over with no draft at 16,384 tokens. An EAGLE3
+drafter is charged DSpark's (not measured)."""
 ALLOCATOR_RESERVE_FRACTION = 0.5
 """Of warmup's largest single request (FlashMLA's fp32 output accumulator where it decodes, 1.51 GiB at 8,192 tokens
 over 128 or 256 requests): what the caching allocator could not hand to it (cached blocks too small or split, and

@@ -1,0 +1,57 @@
+"""The CUDA-graph capture after warmup (kimi_k3_serve/planning/capture.py): KDA's gathered states at the largest
+PIECEWISE graph, and the verdict and proposal that follow, against rounds 27, 30 and 32's H100 runs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import load_script
+from kimi_k3_serve import recorded
+from kimi_k3_serve.planning.capture import capture_prefill_requests, gathered_states_bytes
+
+ACCURACY = load_script("memory_accuracy")
+ROUND30 = ACCURACY.FIXTURES / "2026-12-06-round30"
+
+
+@pytest.mark.parametrize("seqs, query_len, largest, requests", [
+    (384, 1, 512, 384),  # round 30: 512 tokens over 384 requests, some of two tokens: KDA's prefill path
+    (128, 1, 256, 128),
+    (256, 8, 512, 0),  # DSpark's 8-token decodes fill 256 x 8 > 512: a decode batch gathers nothing
+    (32, 8, 512, 32),
+])
+def test_the_largest_capture_gathers_a_state_per_request_once_past_the_decode_batch(seqs, query_len, largest,
+                                                                                    requests) -> None:
+    assert capture_prefill_requests(seqs, query_len, largest) == requests
+
+
+def test_the_gathered_states_are_the_request_that_ran_out_of_memory_in_capture() -> None:
+    """Round 30, no draft at 384 sequences and the proposal of the plan without this term (0.96): vLLM asked for one
+    (384, 96, 128, 128) fp32 block in gather_initial_states while capturing, and ran out of memory."""
+    log = recorded.read_text(ROUND30 / "k4-tp1-b6144-s384-nodraft-u096-h100" / "vllm.log", errors="replace")
+    assert "gather_initial_states" in log and "capture_model" in log
+    asked = {int(n) for n in re.findall(r"trying to allocate (\d+) bytes", log)}
+    assert asked == {gathered_states_bytes(384, 96, 128, 4)} == {2_415_919_104}
+
+
+@pytest.mark.parametrize("fixture, verdict, measured", [
+    ("2026-12-06-round30/k4-tp1-b6144-s384-nodraft-u096-h100", "oom_at_warmup", "oom_at_warmup"),
+    ("2026-12-06-round32/k4-tp1-b6144-s384-nodraft-u0905-h100", "fits", "fits"),  # the proposal with the term
+    ("2026-12-06-round27/k4-tp1-b8192-s256-nodraft-u095-h100", "fits", "fits"),  # the capture passed at 2.89 x
+    ("2026-12-06-round30/k4-tp1-b16384-s128-nodraft-u089-h100", "fits", "fits"),
+])
+def test_the_verdict_keeps_room_for_the_capture_and_its_reserve(fixture, verdict, measured) -> None:
+    from kimi_k3_serve.rehearsal.compare import measured_verdict
+
+    report, reading = ACCURACY.predict_run(ACCURACY.FIXTURES / fixture)
+    assert (report.verdict, measured_verdict(reading)) == (verdict, measured)
+
+
+def test_the_proposal_for_round_30s_shape_is_where_vllm_started() -> None:
+    """Without the capture term the plan proposed 0.96, where the capture ran out of memory; with it, 0.905, where
+    vLLM started (round 32)."""
+    report, _ = ACCURACY.predict_run(ROUND30 / "k4-tp1-b6144-s384-nodraft-u096-h100")
+    assert report.safe_gpu_memory_utilization == 0.905
+    capture = next(e for e in report.estimates if e.name == "capture_kda_gather")
+    assert "384 requests" in capture.basis and "2.25 GiB of gathered recurrent states" in capture.basis
