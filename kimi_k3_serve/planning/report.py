@@ -181,7 +181,8 @@ def build_report(
                    f"{worst.gpu_index}) by {fmt_gib(worst_rank.warmup_shortfall_bytes)}: {fmt_gib(worst_rank.after_kv_bytes)} "
                    "that vLLM's KV sizing does not see (its shared workspace past the profile's: TRITON_MLA's decode "
                    "logits for a DSpark draft, FlashKDA's prefill buffers; what kernel warmup's MLA decode path holds "
-                   "beyond the CUDA-graph estimate) does not fit outside the budget"
+                   "beyond the CUDA-graph estimate; KDA's gathered states at the largest CUDA-graph capture, with "
+                   "the allocator's reserve) does not fit outside the budget"
                    + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
     elif memory.verdict == "seqs_over_state_blocks":
         verdict = (f"does not fit: max_num_seqs {memory.max_num_seqs:,} exceeds the {memory.num_blocks:,} KV-cache blocks "
