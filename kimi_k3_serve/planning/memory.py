@@ -1487,7 +1487,7 @@ def _flashkda_runs_in_graph_profile(engine: EngineSettings, mnbt: int, seqs: int
     if engine.enforce_eager:
         return False
     query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
-    return cuda_graph_capture_sizes(seqs, query_len, mnbt, cc)[-1] > max(seqs, 1) * query_len
+    return capture_prefill_requests(seqs, query_len, cuda_graph_capture_sizes(seqs, query_len, mnbt, cc)[-1]) > 0
 
 
 def sampled_full_graphs_bytes(family: str, full_tokens: Sequence[int], target_heads: int) -> tuple[int, str]:
