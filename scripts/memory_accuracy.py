@@ -207,9 +207,7 @@ multicast), so no recorded run had NCCL NVLS buffers."""
 
 def predict_run(run_dir: Path):
     """(memory report, vLLM reading) of one recorded run, predicted with today's model on the run's GPU."""
-    from kimi_k3_serve.cli import build_parser
     from kimi_k3_serve.cluster.nvml import parse_readings
-    from kimi_k3_serve.commands import rehearse
     from kimi_k3_serve.planning.layout import RankDevice
     from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
 
@@ -218,7 +216,19 @@ def predict_run(run_dir: Path):
     reading = parse_vllm_log(recorded.read_text(run_dir / "vllm.log", errors="replace"), device_total_bytes=total)
     worker = reading.workers[0] if reading.workers else None
     free = worker.free_at_start_bytes if worker and worker.free_at_start_bytes else total
-    ns = build_parser().parse_args(["rehearse", *_recorded_flags(run_dir)])
+    (gpu, *_), _ = parse_readings(host["nvml"])  # the run's GPU as NVML read it on the host
+    device = RankDevice(total, gpu.compute_capability, free_bytes=free, name=gpu.name)
+    return predict_flags(_recorded_flags(run_dir), device), reading
+
+
+def predict_flags(flags: list[str], device):
+    """The memory report of ``rehearse`` with these flags on ``device``, its models built as the rehearsal builds
+    them: the rank slice vLLM ran at TP1 (``--rank-of``), the stage at the layout's TP (``--stage-of``), or the
+    slice of ``--layers``."""
+    from kimi_k3_serve.cli import build_parser
+    from kimi_k3_serve.commands import rehearse
+
+    ns = build_parser().parse_args(["rehearse", *flags])
     with tempfile.TemporaryDirectory() as work, _host_model_cache(Path(work) / "cache"):
         args = rehearse.serve_args_of(ns)
         if ns.rank_of is not None:  # the rank slice vLLM ran, at TP1: its plan is what vLLM's numbers score
@@ -227,10 +237,7 @@ def predict_run(run_dir: Path):
             args = rehearse.materialize_stage(args, Path(work), ns.stage_of)[0]
         else:
             args = rehearse.materialize_models(args, Path(work), ns.layers)[0]
-        (gpu, *_), _ = parse_readings(host["nvml"])  # the run's GPU as NVML read it on the host
-        report = rehearse.predict(args, RankDevice(total, gpu.compute_capability, free_bytes=free, name=gpu.name),
-                                  inherited_env=LENT_HOST_ENV)
-    return report, reading
+        return rehearse.predict(args, device, inherited_env=LENT_HOST_ENV)
 
 
 @contextmanager

@@ -57,11 +57,9 @@ def test_the_proposal_for_round_30s_shape_is_where_vllm_started() -> None:
     assert "384 requests" in capture.basis and "2.25 GiB of gathered recurrent states" in capture.basis
 
 
-def test_between_the_reserves_ends_the_capture_is_at_risk(tmp_path) -> None:
+def test_between_the_reserves_ends_the_capture_is_at_risk() -> None:
     """Round 30's shape at 0.93, between the proposal (0.905) and the first utilization the capture cannot take:
     short, but within the reserve's band (2.85 down to 1.1 times the request), so "at risk", and the note says so."""
-    from kimi_k3_serve.cli import build_parser
-    from kimi_k3_serve.commands import rehearse
     from kimi_k3_serve.planning.layout import RankDevice
     from kimi_k3_serve.units import MiB
 
@@ -70,11 +68,7 @@ def test_between_the_reserves_ends_the_capture_is_at_risk(tmp_path) -> None:
              "--max-num-batched-tokens", "6144", "--max-num-seqs", "384", "--max-model-len", "8192",
              "--gpu-memory-utilization", "0.93", "--speculative-config", "none"]
     total = 85_017_493_504  # the H100 80GB of rounds 30 to 32
-    with ACCURACY._host_model_cache(tmp_path / "cache"):
-        args = rehearse.materialize_models(rehearse.serve_args_of(build_parser().parse_args(["rehearse", *flags])),
-                                           tmp_path, 4)[0]
-        report = rehearse.predict(args, RankDevice(total, (9, 0), free_bytes=total - 600 * MiB, name="H100"),
-                                  inherited_env=ACCURACY.LENT_HOST_ENV)
+    report = ACCURACY.predict_flags(flags, RankDevice(total, (9, 0), free_bytes=total - 600 * MiB, name="H100"))
     (rank,) = report.ranks
     assert 0 < rank.warmup_shortfall_bytes <= rank.warmup_band_bytes
     assert report.verdict == "at_risk" and report.safe_gpu_memory_utilization == 0.905

@@ -224,12 +224,10 @@ def test_twelve_thousand_tokens_with_three_speculative_tokens_warm_up_as_planned
     assert abs(report.ranks[0].kv_cache_bytes - worker.available_kv_bytes) <= 0.01 * worker.available_kv_bytes
 
 
-def test_a_pool_short_of_state_blocks_is_not_at_risk_where_warmup_fails_beyond_its_band(accuracy, tmp_path) -> None:
+def test_a_pool_short_of_state_blocks_is_not_at_risk_where_warmup_fails_beyond_its_band(accuracy) -> None:
     """The state-block boundary within the bands reads "at risk" (it may as well fit), but not where warmup would
     then run out of memory beyond the reserve's band: a 4-layer slice with DSpark at 16,384 tokens on an H100 at
     0.92 (a warmup forward of 10.68 GiB, 2.6 GiB short) stays "seqs_over_state_blocks"."""
-    from kimi_k3_serve.cli import build_parser
-    from kimi_k3_serve.commands import rehearse
     from kimi_k3_serve.planning.layout import RankDevice
 
     flags = ["--model", "moonshotai/Kimi-K3", "--engine-kwargs",
@@ -238,11 +236,7 @@ def test_a_pool_short_of_state_blocks_is_not_at_risk_where_warmup_fails_beyond_i
              "--gpu-memory-utilization", "0.92", "--speculative-config",
              '{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}']
     total = 85_017_493_504  # the H100 80GB of rounds 24 to 29
-    with accuracy._host_model_cache(tmp_path / "cache"):
-        args = rehearse.materialize_models(rehearse.serve_args_of(build_parser().parse_args(["rehearse", *flags])),
-                                           tmp_path, 4)[0]
-        report = rehearse.predict(args, RankDevice(total, (9, 0), free_bytes=total - 600 * MiB, name="H100"),
-                                  inherited_env=accuracy.LENT_HOST_ENV)
+    report = accuracy.predict_flags(flags, RankDevice(total, (9, 0), free_bytes=total - 600 * MiB, name="H100"))
     (rank,) = report.ranks
     assert report.max_num_seqs > report.num_blocks and rank.warmup_shortfall_bytes > rank.warmup_band_bytes
     assert report.verdict == "seqs_over_state_blocks"
