@@ -612,7 +612,7 @@ def estimate_memory(
                                       f"({reserve / GiB:.2f} GiB; {ALLOCATOR_RESERVE_FRACTION_LOW:.0%} to "
                                       f"{ALLOCATOR_RESERVE_FRACTION:.0%} measured): "
                                       f"{warmup / GiB:.2f} GiB outside the budget"))
-            capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc, has_kda,
+            capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc,
                                                     held=warmup_peak.bytes - warmup_peak.forward_bytes, act=act,
                                                     graphs_free=graphs_free, since=since, estimates=estimates)
             # The capture runs once warmup has freed its forward: the larger need counts, and vLLM fails for sure
@@ -1228,13 +1228,13 @@ def _dspark_held_copies_bytes(model: ModelInventory, aux_layers: Sequence[int], 
 
 
 def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
-                    mnbt: int, seqs: int, cc: tuple[int, int], has_kda: bool, *, held: int, act: int, graphs_free: int,
-                    since: int, estimates: list[Estimate]) -> tuple[int, int]:
+                    mnbt: int, seqs: int, cc: tuple[int, int], *, held: int, act: int, graphs_free: int, since: int,
+                    estimates: list[Estimate]) -> tuple[int, int]:
     """What the real capture of the largest PIECEWISE graph needs outside the budget for KDA's gathered states and the
     allocator's reserve (planning/capture.py), and the part of it within the reserve's measured band; (0, 0) where
     that capture makes no such request."""
     kda = next((model.layers[i].kv for i in range(start, end) if isinstance(model.layers[i].kv, KdaState)), None)
-    if not has_kda or kda is None:
+    if kda is None:
         return 0, 0
     query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
     largest = cuda_graph_capture_sizes(seqs, query_len, mnbt, cc)[-1]
@@ -1250,8 +1250,8 @@ def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSetting
                               f"the CUDA-graph capture after warmup, at its largest graph ({largest} tokens over "
                               f"{requests} requests, KDA's prefill path): {gather / GiB:.2f} GiB of gathered recurrent "
                               f"states in one request (vLLM gather_initial_states) and the allocator's reserve, "
-                              f"{CAPTURE_RESERVE_FRACTION:.1f} times it ({CAPTURE_RESERVE_FRACTION_LOW:.2f} to "
-                              f"{CAPTURE_RESERVE_FRACTION:.1f} measured), less the profile's transient peak and the "
+                              f"{CAPTURE_RESERVE_FRACTION:.2f} times it ({CAPTURE_RESERVE_FRACTION_LOW:.2f} to "
+                              f"{CAPTURE_RESERVE_FRACTION:.2f} measured), less the profile's transient peak and the "
                               f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured: "
                               f"{capture / GiB:.2f} GiB outside the budget"))
     return capture, band
