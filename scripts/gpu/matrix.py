@@ -510,6 +510,20 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b6144-s384-nodraft-u093-h100", 4, tokens=6144, seqs=384, util=0.93, draft=None,
              role="validation", expected_s=120),
     ],
+    # Roles fixed 2026-12-06 (thirty-sixth session), before these run, for an H100 80GB: validation runs of the
+    # proposed largest safe utilization at shapes no run has had, each at the proposal of the plan shipped with this
+    # set: no draft at 512 and 1,024 sequences (the 1,024-sequence shape's proposal is set by warmup, 0.825), no draft
+    # at 12,288 tokens over 256 sequences, and the MLA EAGLE3 draft at 8,192 / 128, which the plan lets start at 0.99.
+    "ranks-round29-h100": [
+        kimi("k4-tp1-b4096-s512-nodraft-u090-h100", 4, tokens=4096, seqs=512, util=0.90, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s128-eagle3mla-u099-h100", 4, tokens=8192, seqs=128, util=0.99, draft=EAGLE3_MLA,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b2048-s1024-nodraft-u0825-h100", 4, tokens=2048, seqs=1024, util=0.825, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b12288-s256-nodraft-u092-h100", 4, tokens=12288, seqs=256, util=0.92, draft=None,
+             role="validation", expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
