@@ -240,3 +240,32 @@ def test_a_pool_short_of_state_blocks_is_not_at_risk_where_warmup_fails_beyond_i
     (rank,) = report.ranks
     assert report.max_num_seqs > report.num_blocks and rank.warmup_shortfall_bytes > rank.warmup_band_bytes
     assert report.verdict == "seqs_over_state_blocks"
+
+
+@pytest.mark.parametrize("util, verdict", [(0.9, "oom_at_warmup"), (0.845, "seqs_over_state_blocks")])
+def test_no_utilization_is_proposed_where_warmup_and_the_state_blocks_cross(accuracy, util, verdict) -> None:
+    """A 4-layer slice with DSpark at 2,048 tokens and 512 sequences on an H100: warmup leaves room up to 0.845, where
+    the KV pool holds fewer state blocks than sequences. No utilization fits, so none is proposed, and neither
+    verdict sends the user to the other ("set gpu_memory_utilization to 0.845", "raise gpu_memory_utilization");
+    the advice is max_num_seqs, at most the blocks the pool holds at 0.845."""
+    from kimi_k3_serve.planning.layout import RankDevice
+    from kimi_k3_serve.planning.report import build_report
+
+    flags = ["--model", "moonshotai/Kimi-K3", "--engine-kwargs",
+             '{"moe_backend": "marlin", "attention_backend": "FLASHMLA"}', "--layers", "4",
+             "--max-num-batched-tokens", "2048", "--max-num-seqs", "512", "--max-model-len", "8192",
+             "--gpu-memory-utilization", str(util), "--speculative-config",
+             '{"method": "dspark", "model": "kimi-k3-dspark", "num_speculative_tokens": 7}']
+    total = 85_017_493_504  # the H100 80GB of rounds 24 to 32
+    report = accuracy.predict_flags(flags, RankDevice(total, (9, 0), free_bytes=total - 600 * MiB, name="H100"))
+    assert report.verdict == verdict and report.safe_gpu_memory_utilization is None
+    blocks = int(re.search(r"holds ([\d,]+) blocks", report.no_safe_utilization).group(1).replace(",", ""))
+    assert report.no_safe_utilization.startswith("at 0.845, the largest that leaves room") and 0 < blocks < 512
+    assert f"lower max_num_seqs to at most {blocks:,}" in report.no_safe_utilization
+    notes = " ".join(report.notes)
+    assert "raise gpu_memory_utilization" not in notes and "or lower leaves room" not in notes
+    assert "no gpu_memory_utilization fits: at 0.845" in notes
+    check = build_report(model_name="kimi-k3", cluster_source="test", gpu_name="H100", memory=report,
+                         placements=None, optimisations=report.optimisations, seconds=0.0)
+    assert check.verdict.startswith("does not fit") and "raise gpu_memory_utilization" not in check.verdict
+    assert "set gpu_memory_utilization to" not in check.verdict and "max_num_seqs" in check.verdict

@@ -317,9 +317,12 @@ class MemoryReport:
     """One of VERDICTS: what vLLM 0.32 would do with this layout, in the order it would find out."""
     safe_gpu_memory_utilization: float | None = None
     """The largest gpu_memory_utilization (to 0.005) at which every rank still has room for what vLLM allocates after
-    sizing the KV cache; None when no value does."""
+    sizing the KV cache, and at which the plan says "fits"; None when no value does."""
     engine_concurrency: tuple[float, ...] = ()
     """Requests of max_model_len each DP engine's own pool holds, by DP rank (``max_concurrency`` is the smallest)."""
+    no_safe_utilization: str = ""
+    """Why no gpu_memory_utilization fits, where the largest that leaves room after the KV cache fails on another
+    count (too few KV blocks, free memory); empty otherwise."""
     kv_band_bytes: int = 0
     """The most any rank's KV pool loses with every measured error band against it (``planning/bands.py``)."""
     banded_max_concurrency: float = 0.0
@@ -448,9 +451,11 @@ def estimate_memory(
     devices: RankDevice | Sequence[RankDevice],
     *,
     optimisations: Optimisations | None = None,
+    check_proposal: bool = True,
 ) -> MemoryReport:
     """Per-rank memory of ``model`` under ``layout`` and ``engine`` on ``devices`` (one per world rank in
-    vLLM's rank order, or one for all). Raises ConfigError for a layout vLLM would refuse."""
+    vLLM's rank order, or one for all). Raises ConfigError for a layout vLLM would refuse. ``check_proposal``: plan
+    again at the proposed utilization and propose it only where it fits (see ``_proven_proposal``)."""
     world = layout.world_size
     if isinstance(devices, RankDevice):
         devs = [devices] * world
@@ -692,12 +697,18 @@ def estimate_memory(
                          f"{max(bands) / GiB:.2f} GiB its measured error bands allow either way; vLLM may refuse "
                          f"(max_num_seqs > num_blocks) or start")
     fits = verdict == "fits"
+    safe_util = _safe_utilization(ranks, model, world, cc)
+    no_safe_reason = ""
+    if check_proposal and safe_util is not None:
+        safe_util, no_safe_reason = _proven_proposal(safe_util, verdict, pool.num_blocks, model, layout, engine, devs,
+                                                     optimisations)
     if verdict == "seqs_over_state_blocks":
         notes.append(
             f"vLLM would refuse to capture CUDA graphs: max_num_seqs {seqs:,} exceeds the {pool.num_blocks:,} KV-cache "
             f"blocks, and every decoding sequence holds one KDA state block (config/compilation.py); set max_num_seqs "
-            f"to at most {pool.num_blocks:,} or raise gpu_memory_utilization")
-    safe_util = _safe_utilization(ranks, model, world, cc)
+            f"to at most {pool.num_blocks:,}" + raise_utilization_advice(engine.gpu_memory_utilization, safe_util))
+    if no_safe_reason:
+        notes.append(f"no gpu_memory_utilization fits: {no_safe_reason}")
     warm = max(ranks, key=lambda x: x.warmup_shortfall_bytes)
     if warm.warmup_shortfall_bytes:
         within = warm.warmup_shortfall_bytes <= warm.warmup_band_bytes
@@ -748,7 +759,7 @@ def estimate_memory(
         enable_prefix_caching=prefix, stage_layers=tuple(stages), kv_grouping=grouping.kind,
         num_kv_groups=len(grouping.groups), padding_layers=grouping.padding_layers,
         verdict=verdict, safe_gpu_memory_utilization=safe_util, engine_concurrency=pool.engine_concurrency,
-        kv_band_bytes=max(bands), banded_max_concurrency=banded.max_concurrency,
+        kv_band_bytes=max(bands), banded_max_concurrency=banded.max_concurrency, no_safe_utilization=no_safe_reason,
     )
 
 
@@ -876,6 +887,40 @@ def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world:
             return None
         best = min(best, math.floor(room / r.total_bytes * 200) / 200)
     return best if best > 0 else None
+
+
+def raise_utilization_advice(util: float, safe_util: float | None) -> str:
+    """" or raise gpu_memory_utilization to X" where the proposal X is above ``util``, else nothing: raising it past
+    the proposal trades this failure for an OOM after the KV cache."""
+    return f" or raise gpu_memory_utilization to {safe_util}" if safe_util is not None and safe_util > util else ""
+
+
+def _proven_proposal(safe_util: float, verdict: str, num_blocks: int, model: ModelInventory, layout: Layout,
+                     engine: EngineSettings, devs: Sequence[RankDevice],
+                     optimisations: Optimisations | None) -> tuple[float | None, str]:
+    """``safe_util`` if the plan says "fits" there, else None and why. The proposal bounds the utilization from
+    above (room after the KV cache); the KV pool bounds it from below (a state block for each of max_num_seqs, one
+    request of max_model_len, the bands), and where the two cross no utilization fits: proposing the upper bound
+    then sends the user to a start vLLM refuses (4 layers, DSpark, 2,048 tokens, 512 sequences on an H100: warmup
+    leaves room up to 0.845, where the pool holds fewer state blocks than sequences). ``verdict`` and
+    ``num_blocks``: the plan's at the utilization asked for."""
+    if engine.gpu_memory_utilization != safe_util:
+        at_safe = estimate_memory(model, layout, replace(engine, gpu_memory_utilization=safe_util), devs,
+                                  optimisations=optimisations, check_proposal=False)
+        verdict, num_blocks = at_safe.verdict, at_safe.num_blocks
+    if verdict == "fits":
+        return safe_util, ""
+    why = {
+        "cannot_start": "less memory is free than that budget",
+        "oom_at_load": "the weights do not load",
+        "no_kv_space": "the KV cache does not hold one request of max_model_len; lower max_model_len",
+        "seqs_over_state_blocks": f"the KV cache holds {num_blocks:,} blocks, fewer than max_num_seqs, and each "
+                                  f"decoding sequence holds a KDA state block; lower max_num_seqs to at most "
+                                  f"{num_blocks:,}",
+        "at_risk": "it fits only at the plan's point estimates, not with their measured error bands against it; "
+                   "lower max_num_seqs or max_model_len",
+    }.get(verdict, f"the plan says {verdict}")
+    return None, f"at {safe_util}, the largest that leaves room for what vLLM allocates after the KV cache, {why}"
 
 
 def _validate_kimi_kv_dtype(engine: EngineSettings, cc: tuple[int, int]) -> None:

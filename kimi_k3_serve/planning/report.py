@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from kimi_k3_serve.planning.memory import raise_utilization_advice
 from kimi_k3_serve.units import GiB, fmt_gib
 
 # (key in the per-rank JSON, column title). Sizes in GiB.
@@ -172,7 +173,9 @@ def build_report(
         verdict = (f"at risk: {layout.describe()} on {layout.world_size} x {gpu_name} fits at the plan's point estimates "
                    f"({float(memory.max_concurrency):.2f} requests of {memory.engine.max_model_len} tokens), not with "
                    f"the measured error bands against it (up to {fmt_gib(memory.kv_band_bytes)} of KV pool per GPU); "
-                   "lower max_model_len or raise gpu_memory_utilization, or rehearse it")
+                   "lower max_model_len"
+                   + raise_utilization_advice(memory.engine.gpu_memory_utilization, memory.safe_gpu_memory_utilization)
+                   + ", or rehearse it")
     elif memory.verdict == "oom_at_warmup":
         worst_rank = max(memory.ranks, key=lambda x: x.warmup_shortfall_bytes)
         worst = next(row for row in rows if row.rank == worst_rank.rank)
@@ -183,11 +186,14 @@ def build_report(
                    "logits for a DSpark draft, FlashKDA's prefill buffers; what kernel warmup's MLA decode path holds "
                    "beyond the CUDA-graph estimate; KDA's gathered states at the largest CUDA-graph capture, with "
                    "the allocator's reserve) does not fit outside the budget"
-                   + (f"; set gpu_memory_utilization to {safe} or lower" if safe else ""))
+                   + (f"; set gpu_memory_utilization to {safe} or lower" if safe else "")
+                   + (f"; no gpu_memory_utilization fits: {memory.no_safe_utilization}"
+                      if memory.no_safe_utilization else ""))
     elif memory.verdict == "seqs_over_state_blocks":
         verdict = (f"does not fit: max_num_seqs {memory.max_num_seqs:,} exceeds the {memory.num_blocks:,} KV-cache blocks "
                    "and each decoding sequence holds one KDA state block, so vLLM would refuse to capture CUDA graphs; "
-                   f"set max_num_seqs to at most {memory.num_blocks:,} or raise gpu_memory_utilization")
+                   f"set max_num_seqs to at most {memory.num_blocks:,}"
+                   + raise_utilization_advice(memory.engine.gpu_memory_utilization, memory.safe_gpu_memory_utilization))
     elif memory.shortfall_bytes > 0:
         worst = max(rows, key=lambda row: row.shortfall_bytes)
         short = [row for row in rows if not row.fits]
