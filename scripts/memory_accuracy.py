@@ -106,6 +106,19 @@ READ_BEFORE_A_CHANGE = {
     "k4-tp1-b8192-s256-nodraft-u095-h100": "called \"fits\" at the proposal (0.95) and started; the capture "
                                            "reserve (planning/capture.py) was set to what its capture passed with "
                                            "(2026-12-06)",
+    "k4-tp1-b4096-s512-nodraft-u090-h100": "called \"fits\" at the utilization the plan proposed (0.90), where vLLM "
+                                           "ran out of memory in kernel warmup's prefill asking for FlashKDA's 7.04 "
+                                           "GiB beside 512 gathered states (3.0 GiB): that term (planning/capture.py "
+                                           "warmup_prefill_requests) was read from vLLM's code after this run "
+                                           "(2026-12-06)",
+    "k4-tp1-b2048-s1024-nodraft-u0825-h100": "called \"fits\" at the utilization the plan proposed (0.825), where "
+                                             "vLLM ran out of memory in kernel warmup's prefill asking for FlashKDA's "
+                                             "13.47 GiB beside 350 gathered states (the same term, 2026-12-06)",
+    "k4-tp1-b8192-s128-eagle3mla-u099-h100": "called \"fits\" at the utilization the plan proposed (0.99), where "
+                                             "vLLM ran out of memory in FlashInfer's autotune, in the MLA EAGLE3 "
+                                             "drafter's FlashMLA decode accumulators (1.51 GiB); the plan now says "
+                                             "\"does not fit\" there through the warmup prefill term chosen on "
+                                             "round 33, not through the drafter's forward, which it does not model",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import load_script
 from kimi_k3_serve import recorded
-from kimi_k3_serve.planning.capture import capture_prefill_requests, gathered_states_bytes
+from kimi_k3_serve.planning.capture import capture_prefill_requests, gathered_states_bytes, warmup_prefill_requests
 
 ACCURACY = load_script("memory_accuracy")
 ROUND30 = ACCURACY.FIXTURES / "2026-12-06-round30"
@@ -73,3 +73,40 @@ def test_between_the_reserves_ends_the_capture_is_at_risk() -> None:
     assert 0 < rank.warmup_shortfall_bytes <= rank.warmup_band_bytes
     assert report.verdict == "at_risk" and report.safe_gpu_memory_utilization == 0.905
     assert any(n.startswith("at risk: vLLM may OOM in warmup") for n in report.notes)
+
+
+@pytest.mark.parametrize("seqs, tokens, query_len, num_blocks, per_request, requests", [
+    (512, 4096, 1, 2257, 4, 512),  # round 33: 2-token prompts, the pool's blocks hold 564 such requests
+    (1024, 2048, 1, 1403, 4, 350),  # round 33: the blocks cap it, (1,403 - 1) // 4
+    (256, 8192, 4, 10_000, 4, 256),
+    (512, 1024, 8, 10_000, 4, 113),  # DSpark: 9-token prompts
+])
+def test_warmups_prefill_takes_the_requests_vllm_builds(seqs, tokens, query_len, num_blocks, per_request,
+                                                        requests) -> None:
+    assert warmup_prefill_requests(seqs, tokens, query_len, num_blocks, per_request) == requests
+
+
+@pytest.mark.parametrize("name, requests, old_lane_mib", [
+    ("k4-tp1-b4096-s512-nodraft-u090-h100", 512, 1216),
+    ("k4-tp1-b2048-s1024-nodraft-u0825-h100", 350, 608),
+])
+def test_what_warmups_prefill_held_beside_flashkdas_request_is_the_plans(name, requests, old_lane_mib) -> None:
+    """Round 33 (H100, validation runs at the proposals of the plan without this term): kernel warmup's prefill asked
+    for FlashKDA's buffers while it held its requests' gathered states, and ran out of memory. What PyTorch held then
+    beyond what warmup began with, plus the workspace's old buffer (freed just before the request), is the plan's
+    warmup_prefill_gather to 0.06 GiB; the plan now says "does not fit" there."""
+    from kimi_k3_serve.rehearsal.compare import measured_verdict
+    from kimi_k3_serve.units import GiB, MiB
+
+    report, reading = ACCURACY.predict_run(ACCURACY.FIXTURES / "2026-12-06-round33" / name)
+    log = recorded.read_text(ACCURACY.FIXTURES / "2026-12-06-round33" / name / "vllm.log", errors="replace")
+    allocated = float(re.search(r"Of the allocated memory ([0-9.]+) GiB is allocated by PyTorch", log)[1]) * GiB
+    (worker,) = reading.workers
+    began = next(p for p in worker.warmup_peaks if p.scope == "warmup_kernels").allocated_at_entry_bytes
+    held = allocated - began + old_lane_mib * MiB
+    term = next(e for e in report.estimates if e.name == "warmup_prefill_gather")
+    assert f"{requests} requests of 2 tokens" in term.basis
+    assert abs(term.bytes - held) <= 0.06 * GiB, (term.bytes / GiB, held / GiB)
+    assert (report.verdict, measured_verdict(reading)) == ("oom_at_warmup", "oom_at_warmup")
+    assert report.safe_gpu_memory_utilization is None or report.safe_gpu_memory_utilization < \
+        report.engine.gpu_memory_utilization

@@ -214,9 +214,11 @@ def test_twelve_thousand_tokens_with_three_speculative_tokens_warm_up_as_planned
     """Round 29 (ranks-round26-h100, validation, H100): 12,288 tokens over 192 requests of 64 tokens with DSpark's 3
     speculative tokens, at the plan's proposal (0.925). vLLM's KV pool was the plan's to 0.4 %, and the warmup forward
     peaked 8.01 GiB above what it began with, the plan's to 0.01 GiB; the engine went through warmup and CUDA-graph
-    capture, and the call's deadline stopped it before it reported ready."""
+    capture, and the call's deadline stopped it before it reported ready. Since the warmup prefill's gathered states
+    (planning/capture.py, added beside the other after-KV terms, not at their own moment) the plan proposes 0.92 and
+    calls 0.925 "at risk", 0.02 GiB short: conservative by that much on this run."""
     report, reading = accuracy.predict_run(FIXTURES / "2026-12-06-round29" / "k4-tp1-b12288-s192-dspark3-u0925-h100")
-    assert report.verdict == "fits" and report.safe_gpu_memory_utilization == 0.925
+    assert report.verdict == "at_risk" and report.safe_gpu_memory_utilization == 0.92
     (worker,) = reading.workers
     autotune = next(p for p in worker.warmup_peaks if p.scope == "flashinfer_autotune")
     assert not autotune.failed and reading.oom is None
@@ -269,3 +271,14 @@ def test_no_utilization_is_proposed_where_warmup_and_the_state_blocks_cross(accu
                          placements=None, optimisations=report.optimisations, seconds=0.0)
     assert check.verdict.startswith("does not fit") and "raise gpu_memory_utilization" not in check.verdict
     assert "set gpu_memory_utilization to" not in check.verdict and "max_num_seqs" in check.verdict
+
+
+def test_the_mla_eagle3_drafters_warmup_forward_is_named_as_not_modeled(accuracy) -> None:
+    """Round 33 (H100, validation, at the proposal 0.99): vLLM ran out of memory in FlashInfer's autotune, in the MLA
+    EAGLE3 drafter's FlashMLA decode accumulators, (128 + 1) split slots x 64 tokens x 96 heads x 512 x 4 B, beyond
+    what the plan models; the plan says so for every MLA EAGLE3 draft, and not for DSpark."""
+    report, reading = accuracy.predict_run(FIXTURES / "2026-12-06-round33" / "k4-tp1-b8192-s128-eagle3mla-u099-h100")
+    assert reading.oom is not None and reading.oom.tried_bytes == 129 * 64 * 96 * 512 * 4 == 1_623_195_648
+    assert any(n.startswith("not modeled: the MLA EAGLE3 drafter's own forward") for n in report.notes)
+    dspark, _ = accuracy.predict_run(FIXTURES / "2026-12-06-round31" / "k4-tp1-b8192-s256-dspark3-u093-h100")
+    assert not any(n.startswith("not modeled: the MLA EAGLE3") for n in dspark.notes)

@@ -10,7 +10,12 @@ after layer. Round 30 (H100, tests/fixtures/gpu/2026-12-06-round30): a 4-layer f
 384 sequences asked for 384 x 96 x 128 x 128 x 4 B = 2.25 GiB there, at the plan's proposed utilization (0.96), and
 ran out of memory with 2.16 GiB free and 2.27 GiB cached by the allocator in segments warmup had left in use. The
 CUDA-graph estimate vLLM sized the KV cache with had held the same request twice and let it go (the released cache
-at its first FULL sample), so nothing inside the budget keeps room for it. Pure.
+at its first FULL sample), so nothing inside the budget keeps room for it.
+
+Kernel warmup's prefill step (v1/worker/gpu/warmup.py ``_warmup_kernels``) gathers the same way, and where FlashKDA's
+buffers are first asked for there, the gathered states are held beside that request (round 33, H100: a 4-layer slice
+with no draft at 512 sequences asked for 7.04 GiB of FlashKDA buffers with 512 states, 3.0 GiB, gathered and 6.64 GiB
+free, at the plan's proposal). Pure.
 """
 
 from __future__ import annotations
@@ -40,3 +45,16 @@ def capture_prefill_requests(max_num_seqs: int, decode_query_len: int, largest_c
 def gathered_states_bytes(requests: int, local_heads: int, head_dim: int, state_dtype_bytes: int) -> int:
     """``gather_initial_states``' output for one KDA layer: one ``(heads, head_dim, head_dim)`` state a request."""
     return requests * local_heads * head_dim * head_dim * state_dtype_bytes
+
+
+def warmup_prefill_requests(max_num_seqs: int, max_num_batched_tokens: int, decode_query_len: int, num_blocks: int,
+                            blocks_per_request: int) -> int:
+    """The requests of kernel warmup's prefill step (v1/worker/gpu/warmup.py ``_warmup_kernels``): prompts of
+    ``decode_query_len + 1`` tokens, so KDA takes its prefill path and gathers one state a request; at most
+    ``max_num_seqs``, ``max_num_batched_tokens // (decode_query_len + 1)`` and what the KV cache's blocks hold past
+    the null block (``blocks_per_request``: what warmup reserves for one request in all its groups)."""
+    prompt_len = decode_query_len + 1
+    requests = min(max_num_seqs, max_num_batched_tokens // prompt_len)
+    if blocks_per_request > 0:
+        requests = min(requests, max(1, (num_blocks - 1) // blocks_per_request))
+    return max(requests, 0)

@@ -44,6 +44,7 @@ from kimi_k3_serve.planning.capture import (
     CAPTURE_RESERVE_FRACTION_LOW,
     capture_prefill_requests,
     gathered_states_bytes,
+    warmup_prefill_requests,
 )
 from kimi_k3_serve.planning.warmup import (
     ALLOCATOR_RESERVE_FRACTION,
@@ -509,6 +510,7 @@ def estimate_memory(
     # Per stage (exact) weights and (estimated) non-KV.
     stage_costs: list[StageCosts] = []
     warmup_forwards: list[int] = []
+    beside_flashkda: list[tuple[int, int]] = []  # per stage: (bytes a warmup prefill request holds, per token)
     estimates: list[Estimate] = []
     tp_nodes = {d.node_id for d in devs[:layout.tp] if d.node_id}
     spans_nodes = len(tp_nodes) > 1
@@ -560,6 +562,8 @@ def estimate_memory(
             cg_basis += f" + {shared.after_kv_bytes / MiB:,.0f} MiB of FlashKDA's buffers, grown while it is taken"
         unseen = shared.before_kv_bytes if in_graphs else shared.unseen_bytes
         after_kv += unseen
+        beside_flashkda.append(_warmup_prefill_state(model, layout, engine, start, end)
+                               if shared.after_kv_bytes and not in_graphs and not engine.enforce_eager else (0, 0))
         if unseen or in_graphs:
             estimates.append(Estimate("workspace:shared_unseen", s, unseen, 0, shared.describe()
                                       + ("; FlashKDA's growth is inside the CUDA-graph estimate" if in_graphs else "")))
@@ -650,6 +654,9 @@ def estimate_memory(
                               max_model_len=engine.max_model_len, dcp=layout.dcp)
     state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
     state_blocks = sum(g.blocks_per_request(engine.max_model_len) for g in state_groups)
+    if any(per_request for per_request, _ in beside_flashkda):
+        stage_costs = _held_beside_flashkda(stage_costs, beside_flashkda, grouping, engine, mnbt, seqs, num_spec,
+                                            block_size, pool.num_blocks, estimates)
     page = grouping.groups[0].page_of(0) if grouping.groups else 0
     ranks = []
     for r in range(world):
@@ -741,6 +748,9 @@ def estimate_memory(
             f"per-layer term was fitted on stages of {CUDA_GRAPH_FITTED_LAYERS[0]}-{CUDA_GRAPH_FITTED_LAYERS[1]} layers "
             f"(H200); this stage has {deepest.local_layers}, and its error band is the one the validation "
             f"runs showed. `kimi-k3-serve rehearse --rank-of` measures it")
+    if spec is not None and draft is not None and draft.draft is not None and draft.draft.generic_mla is not None \
+            and not engine.enforce_eager:
+        notes.append(EAGLE3_MLA_WARMUP_NOTE)
     if layout.dcp > 1:
         notes.append(f"DCP {layout.dcp}: MLA tokens are split across ranks (blocks per request use max_model_len / DCP); "
                      "not covered by the conformance tests")
@@ -887,6 +897,14 @@ def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world:
             return None
         best = min(best, math.floor(room / r.total_bytes * 200) / 200)
     return best if best > 0 else None
+
+
+EAGLE3_MLA_WARMUP_NOTE = (
+    "not modeled: the MLA EAGLE3 drafter's own forward in kernel warmup (FlashInfer autotune's dummy run, its MLA on "
+    "FlashMLA's decode path); on an H100, 4 layers at 8,192 tokens and 128 sequences, it held 6.86 GiB beyond what "
+    "warmup began with, where the target's forward is planned at 5.02 GiB, and ran out of memory at 0.99 (2026-12-06, "
+    "round 33); rehearse near the proposed gpu_memory_utilization")
+"""Where the plan knows it is blind: measured once, read from the run's log, not yet from vLLM's code."""
 
 
 def raise_utilization_advice(util: float, safe_util: float | None) -> str:
@@ -1270,6 +1288,43 @@ def _dspark_held_copies_bytes(model: ModelInventory, aux_layers: Sequence[int], 
     """The hidden states a DSpark draft adds beside an attention layer's forward (``DSPARK_KDA_PEAK_HIDDEN_COPIES``,
     fitted); 0 without one (``aux_layers`` empty)."""
     return int(hidden_state_bytes(model, mnbt) * DSPARK_KDA_PEAK_HIDDEN_COPIES) if aux_layers else 0
+
+
+def _warmup_prefill_state(model: ModelInventory, layout: Layout, engine: EngineSettings, start: int,
+                          end: int) -> tuple[int, int]:
+    """What kernel warmup's prefill step holds at a KDA layer, as (bytes a request, bytes a token): one gathered
+    recurrent state a request (``gather_initial_states``) and the layer's forward per token."""
+    kda = next((model.layers[i].kv for i in range(start, end) if isinstance(model.layers[i].kv, KdaState)), None)
+    if kda is None:
+        return 0, 0
+    state_bytes = 2 if engine.mamba_ssm_cache_dtype == "bfloat16" else 4
+    return (gathered_states_bytes(1, max(1, kda.num_heads // layout.tp), kda.head_dim, state_bytes),
+            kda_forward_peak_bytes_per_token(model, layout, start, end))
+
+
+def _held_beside_flashkda(stage_costs: list[StageCosts], beside: Sequence[tuple[int, int]], grouping: KvGrouping,
+                          engine: EngineSettings, mnbt: int, seqs: int, num_spec: int, block_size: int,
+                          num_blocks: int, estimates: list[Estimate]) -> list[StageCosts]:
+    """Each stage's costs with what kernel warmup's prefill step holds where FlashKDA first asks for its buffers
+    there (planning/capture.py): the gathered states of its requests, which the KV cache's blocks cap, and their
+    tokens' forward. vLLM frees the workspace's old buffer before the new one, which the growth term already takes."""
+    query_len = 1 + num_spec
+    decode_len = query_len + 1 + (5 if num_spec else 3) * query_len  # warmup's prompt and its decode steps
+    reserved = sum(1 + g.spec.num_speculative_blocks if isinstance(g.spec, StatePageSpec)
+                   else -(-min(decode_len + num_spec, engine.max_model_len) // max(block_size, 1))
+                   for g in grouping.groups)
+    requests = warmup_prefill_requests(seqs, mnbt, query_len, num_blocks, reserved)
+    out = []
+    for s, (c, (per_request, per_token)) in enumerate(zip(stage_costs, beside)):
+        held = requests * per_request + requests * (query_len + 1) * per_token if per_request else 0
+        if held:
+            estimates.append(Estimate("warmup_prefill_gather", s, held, 0,
+                                      f"kernel warmup's prefill ({requests} requests of {query_len + 1} tokens, "
+                                      f"vLLM _warmup_kernels): {requests * per_request / GiB:.2f} GiB of gathered "
+                                      f"recurrent states and the KDA layer's forward, held while FlashKDA first "
+                                      f"asks for its buffers (exact shapes)"))
+        out.append(replace(c, after_kv_bytes=c.after_kv_bytes + held) if held else c)
+    return out
 
 
 def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
