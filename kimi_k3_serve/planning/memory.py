@@ -1290,16 +1290,22 @@ def _dspark_held_copies_bytes(model: ModelInventory, aux_layers: Sequence[int], 
     return int(hidden_state_bytes(model, mnbt) * DSPARK_KDA_PEAK_HIDDEN_COPIES) if aux_layers else 0
 
 
+def _gathered_state_bytes(model: ModelInventory, layout: Layout, engine: EngineSettings, start: int, end: int) -> int:
+    """One request's recurrent state as KDA's prefill path gathers it on a rank of the stage (``gather_initial_states``,
+    in the state's dtype); 0 where the stage has no KDA layer."""
+    kda = next((model.layers[i].kv for i in range(start, end) if isinstance(model.layers[i].kv, KdaState)), None)
+    if kda is None:
+        return 0
+    state_bytes = 2 if engine.mamba_ssm_cache_dtype == "bfloat16" else 4
+    return gathered_states_bytes(1, max(1, kda.num_heads // layout.tp), kda.head_dim, state_bytes)
+
+
 def _warmup_prefill_state(model: ModelInventory, layout: Layout, engine: EngineSettings, start: int,
                           end: int) -> tuple[int, int]:
     """What kernel warmup's prefill step holds at a KDA layer, as (bytes a request, bytes a token): one gathered
-    recurrent state a request (``gather_initial_states``) and the layer's forward per token."""
-    kda = next((model.layers[i].kv for i in range(start, end) if isinstance(model.layers[i].kv, KdaState)), None)
-    if kda is None:
-        return 0, 0
-    state_bytes = 2 if engine.mamba_ssm_cache_dtype == "bfloat16" else 4
-    return (gathered_states_bytes(1, max(1, kda.num_heads // layout.tp), kda.head_dim, state_bytes),
-            kda_forward_peak_bytes_per_token(model, layout, start, end))
+    recurrent state a request and the layer's forward per token."""
+    per_request = _gathered_state_bytes(model, layout, engine, start, end)
+    return (per_request, kda_forward_peak_bytes_per_token(model, layout, start, end)) if per_request else (0, 0)
 
 
 def _held_beside_flashkda(stage_costs: list[StageCosts], beside: Sequence[tuple[int, int]], grouping: KvGrouping,
@@ -1333,14 +1339,10 @@ def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSetting
     """What the real capture of the largest PIECEWISE graph needs outside the budget for KDA's gathered states and the
     allocator's reserve (planning/capture.py), and the part of it within the reserve's measured band; (0, 0) where
     that capture makes no such request."""
-    kda = next((model.layers[i].kv for i in range(start, end) if isinstance(model.layers[i].kv, KdaState)), None)
-    if kda is None:
-        return 0, 0
     query_len = 1 + (engine.speculative.num_speculative_tokens if engine.speculative else 0)
     largest = cuda_graph_capture_sizes(seqs, query_len, mnbt, cc)[-1]
     requests = capture_prefill_requests(seqs, query_len, largest)
-    state_bytes = 2 if engine.mamba_ssm_cache_dtype == "bfloat16" else 4
-    gather = gathered_states_bytes(requests, max(1, kda.num_heads // layout.tp), kda.head_dim, state_bytes)
+    gather = requests * _gathered_state_bytes(model, layout, engine, start, end)
     if not gather:
         return 0, 0
     need = held + int((1 + CAPTURE_RESERVE_FRACTION) * gather) - act - graphs_free + since
