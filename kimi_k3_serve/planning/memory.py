@@ -32,7 +32,7 @@ from kimi_k3_serve.planning.kvcache import (
 )
 from kimi_k3_serve.planning.allocator import allocator_rounding_bytes, allocator_slack_bytes
 from kimi_k3_serve.planning.layout import EngineSettings, Layout, RankDevice, SpeculativeSettings
-from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, ModelInventory
+from kimi_k3_serve.models.inventory import DTYPE_BITS, KdaState, MlaKv, MlaProjections, ModelInventory
 from kimi_k3_serve.planning.optimisations import Optimisations, decide_optimisations
 from kimi_k3_serve.units import GiB, KiB, MiB, cdiv
 from kimi_k3_serve.planning.wide_ep import check_eplb, eplb_costs, expert_split, pools_per_engine
@@ -49,6 +49,7 @@ from kimi_k3_serve.planning.capture import (
 from kimi_k3_serve.planning.warmup import (
     ALLOCATOR_RESERVE_FRACTION,
     ALLOCATOR_RESERVE_FRACTION_LOW,
+    DRAFT_STEP_RESERVE_FRACTION,
     FLASHMLA_DECODE_THRESHOLD,
     mla_base_bytes_per_token,
     mla_warmup,
@@ -609,17 +610,17 @@ def estimate_memory(
             graphs_free = max(0, cg - cg_kept)
             over = warmup_peak.bytes - act
             since = persistent_after_profile_bytes(mnbt, model.hidden_size, DTYPE_BITS[model.dtype] // 8,
-                                                   None if draft is None else draft.family, s == layout.pp - 1)
-            reserve = int(ALLOCATOR_RESERVE_FRACTION * warmup_peak.largest_request_bytes)
+                                                   _draft_kind(draft), s == layout.pp - 1)
+            reserve = int(warmup_peak.reserve_fraction * warmup_peak.largest_request_bytes)
             warmup = max(0, over - graphs_free + since + reserve)
-            warmup_band = min(warmup, reserve - int(ALLOCATOR_RESERVE_FRACTION_LOW * warmup_peak.largest_request_bytes))
+            warmup_band = min(warmup, reserve - int(warmup_peak.reserve_fraction_low * warmup_peak.largest_request_bytes))
             estimates.append(Estimate("warmup_mla_decode", s, warmup, 0, warmup_peak.basis
                                       + f"; {over / GiB:+.2f} GiB over the profile's peak, less the "
                                       f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured, plus "
                                       f"{since / GiB:.2f} GiB allocated since the profile (fitted) and the "
-                                      f"allocator's reserve, {ALLOCATOR_RESERVE_FRACTION:.0%} of its largest request "
-                                      f"({reserve / GiB:.2f} GiB; {ALLOCATOR_RESERVE_FRACTION_LOW:.0%} to "
-                                      f"{ALLOCATOR_RESERVE_FRACTION:.0%} measured): "
+                                      f"allocator's reserve, {warmup_peak.reserve_fraction:.0%} of its largest request "
+                                      f"({reserve / GiB:.2f} GiB; {warmup_peak.reserve_fraction_low:.0%} to "
+                                      f"{warmup_peak.reserve_fraction:.0%} measured): "
                                       f"{warmup / GiB:.2f} GiB outside the budget"))
             capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc,
                                                     held=warmup_peak.bytes - warmup_peak.forward_bytes, act=act,
@@ -748,9 +749,6 @@ def estimate_memory(
             f"per-layer term was fitted on stages of {CUDA_GRAPH_FITTED_LAYERS[0]}-{CUDA_GRAPH_FITTED_LAYERS[1]} layers "
             f"(H200); this stage has {deepest.local_layers}, and its error band is the one the validation "
             f"runs showed. `kimi-k3-serve rehearse --rank-of` measures it")
-    if spec is not None and draft is not None and draft.draft is not None and draft.draft.generic_mla is not None \
-            and not engine.enforce_eager:
-        notes.append(EAGLE3_MLA_WARMUP_NOTE)
     if layout.dcp > 1:
         notes.append(f"DCP {layout.dcp}: MLA tokens are split across ranks (blocks per request use max_model_len / DCP); "
                      "not covered by the conformance tests")
@@ -897,14 +895,6 @@ def _safe_utilization(ranks: Sequence[RankMemory], model: ModelInventory, world:
             return None
         best = min(best, math.floor(room / r.total_bytes * 200) / 200)
     return best if best > 0 else None
-
-
-EAGLE3_MLA_WARMUP_NOTE = (
-    "not modeled: the MLA EAGLE3 drafter's own forward in kernel warmup (FlashInfer autotune's dummy run, its MLA on "
-    "FlashMLA's decode path); on an H100, 4 layers at 8,192 tokens and 128 sequences, it held 6.86 GiB beyond what "
-    "warmup began with, where the target's forward is planned at 5.02 GiB, and ran out of memory at 0.99 (2026-12-06, "
-    "round 33); rehearse near the proposed gpu_memory_utilization")
-"""Where the plan knows it is blind: measured once, read from the run's log, not yet from vLLM's code."""
 
 
 def raise_utilization_advice(util: float, safe_util: float | None) -> str:
@@ -1266,7 +1256,22 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                      + (f" + {DSPARK_KDA_PEAK_HIDDEN_COPIES:g} hidden states the draft adds there (fitted)"
                         if aux_layers else "") + f" over the MoE layers' peak and what follows it ({basis})")
             peak = kda_peak
-    warmup = _mla_warmup_peak(model, layout, start, end, mnbt, seqs, moe_held, aux_layers, draft, num_spec, cc)
+    eagle3_aux = 0
+    if last_stage and draft is not None and draft.draft is not None and draft.draft.method == "eagle3":
+        # The target keeps the hidden states an EAGLE3 drafter fuses to the end of its forward (on a later stage, the
+        # ones captured before it are views of the receive buffer: counted twice there, the safe side).
+        eagle3_aux = (draft.draft.num_aux_hidden_states or 3) * hidden_state_bytes(model, mnbt)
+    warmup = _mla_warmup_peak(model, layout, start, end, mnbt, seqs, moe_held, aux_layers, draft, num_spec, cc,
+                              eagle3_aux)
+    if warmup.bytes and last_stage and draft is not None and draft.draft is not None \
+            and draft.draft.generic_mla is not None:
+        step = _eagle3_mla_warmup_step(model, layout, draft, draft_tp, start, end, mnbt * gathered, mnbt, seqs, cc)
+        if step.need_bytes > warmup.need_bytes:
+            warmup = replace(step, basis=step.basis + f"; over the target's forward ({warmup.bytes / GiB:.2f} GiB, "
+                             f"{warmup.forward_bytes / GiB:.2f} GiB of it allocated by the forward)")
+        else:
+            warmup = replace(warmup, basis=warmup.basis + f"; over the MLA EAGLE3 drafter's step ({step.bytes / GiB:.2f} "
+                             f"GiB, {step.reserve_fraction:.0%} reserve)")
     if warmup.bytes:
         warmup = replace(warmup, bytes=warmup.bytes + held)
     peak += held
@@ -1282,6 +1287,15 @@ class MlaWarmupPeak:
     largest_request_bytes: int
     forward_bytes: int
     basis: str
+    reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION
+    """Of ``largest_request_bytes``: what the caching allocator could not hand to it (``warmup``'s reserves)."""
+    reserve_fraction_low: float = ALLOCATOR_RESERVE_FRACTION_LOW
+    """The low end of the reserve's measured band (down to it, the verdict is "at risk")."""
+
+    @property
+    def need_bytes(self) -> int:
+        """The peak and the allocator's reserve for its largest request: what the larger of two peaks is judged by."""
+        return self.bytes + int(self.reserve_fraction * self.largest_request_bytes)
 
 
 def _dspark_held_copies_bytes(model: ModelInventory, aux_layers: Sequence[int], mnbt: int) -> int:
@@ -1361,14 +1375,16 @@ def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSetting
 
 def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int, mnbt: int, seqs: int, moe_held: int,
                      aux_layers: Sequence[int], draft: ModelInventory | None, num_spec: int,
-                     cc: tuple[int, int]) -> MlaWarmupPeak:
+                     cc: tuple[int, int], eagle3_aux: int = 0) -> MlaWarmupPeak:
     """What the kernel-warmup forward holds at its last MLA layer's FlashMLA call, as the profile's KDA branch counts
     a KDA layer's: the residual side of a layer that opens no block, the layer's own tensors
     (``warmup.mla_base_bytes_per_token``) and its decode or prefill part (``warmup.mla_warmup``), the
     aux hidden states captured before it, and the MoE workspace once a MoE layer has run before it. Not the held
     copies DSpark adds to the profile's KDA peak (``DSPARK_KDA_PEAK_HIDDEN_COPIES``): the plugin read this forward at
     5.35 GiB with DSpark where the plan, with them, said 5.49 (round 26's fit run, k4-tp1-b8192-s256-dspark-u088-h100,
-    H100), and 5.02 / 5.02 with no draft. Zero where the stage has no MLA layer or the model is not Kimi-K3."""
+    H100), and 5.02 / 5.02 with no draft. ``eagle3_aux``: the hidden states an EAGLE3 drafter fuses, held from their
+    capture (5.35 GiB read with the MLA EAGLE3, round 33's k4-tp1-b8192-s128-eagle3mla-u099-h100, the plan 5.02 without
+    its 3 and 5.35 with them). Zero where the stage has no MLA layer or the model is not Kimi-K3."""
     mla = model.mla
     mla_layers = [i for i in range(start, end) if isinstance(model.layers[i].kv, MlaKv)]
     if mla is None or not mla_layers or not model.attn_res_block_size:
@@ -1383,7 +1399,7 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     per_token = b * model.hidden_size * residual_side + mla_base_bytes_per_token(mla, heads, b)
     moe_before = any(model.layers[i].mlp == "moe" for i in range(start, last))
     workspace = moe_held if moe_before else 0
-    aux = _aux_held_bytes(model, aux_layers, start, last, mnbt)
+    aux = _aux_held_bytes(model, aux_layers, start, last, mnbt) + eagle3_aux
     peak = mnbt * per_token + extra + workspace + aux
     split = (f"{batch.decode_requests:,} decodes of {batch.decode_query_len} tokens"
              + (f" and {mnbt - batch.decode_tokens:,} prefill tokens" if batch.decode_tokens < mnbt else ""))
@@ -1395,6 +1411,43 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
         basis += (f"; on compute capability {cc[0]}.{cc[1]} vLLM picks another MLA backend, whose buffers FlashMLA's "
                   "shapes stand in for (not read from its code)")
     return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, basis)
+
+
+def _eagle3_mla_warmup_step(model: ModelInventory, layout: Layout, draft: ModelInventory, draft_tp: int, start: int,
+                            end: int, moe_tokens: int, mnbt: int, seqs: int, cc: tuple[int, int]) -> MlaWarmupPeak:
+    """What the MLA EAGLE3 drafter's step holds in kernel warmup's dummy run, at its FlashMLA call: the drafter runs
+    on the target's attention metadata (v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py ``propose`` ->
+    ``_prefill``), so its generic ``MLAAttention`` decodes the same requests as the target's MLA did
+    (``forward_impl``'s ``mqa_ql_nope``, the concatenated query in flashmla.py ``forward_mqa``, FlashMLA's output,
+    log-sum-exp and split-KV accumulators: ``warmup.mla_warmup`` at the drafter's widths), beside what its profile
+    step holds (``eagle3_mla_profile_bytes``: the target's hidden and aux states, the fused ``fc`` output, the
+    drafter's embeddings, latents, query and output) and the MoE workspace. Its largest request is judged with
+    ``DRAFT_STEP_RESERVE_FRACTION``: it comes second in the dummy run, into blocks the target's forward left."""
+    g = draft.draft.generic_mla
+    b = DTYPE_BITS.get(draft.dtype, 16) // 8
+    heads = max(1, draft.num_attention_heads // max(draft_tp, 1))
+    mla = MlaProjections(g.q_lora_rank, g.kv_lora_rank, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, False)
+    layer = mla_warmup(mnbt, seqs, 1, mla, heads, b, cc)
+    held, _ = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, 0, 0)
+    workspace = _moe_workspace_held(model, layout, start, end, moe_tokens)
+    peak = workspace + held + layer.extra_bytes
+    batch = layer.batch
+    basis = (f"the MLA EAGLE3 drafter's step in kernel warmup holds {peak / GiB:.2f} GiB at its FlashMLA call "
+             f"({batch.decode_requests:,} decodes of {batch.decode_query_len} tokens on the target's metadata): "
+             f"{layer.extra_bytes / GiB:.2f} GiB of its decode path and {held / GiB:.2f} GiB its step holds (exact "
+             f"shapes, vLLM mla_attention.py forward_impl, target_dependent_ar/speculator.py _prefill), its largest "
+             f"request judged with {DRAFT_STEP_RESERVE_FRACTION:.0%} reserve (fitted on one run)")
+    return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, basis, DRAFT_STEP_RESERVE_FRACTION,
+                         DRAFT_STEP_RESERVE_FRACTION)
+
+
+def _draft_kind(draft: ModelInventory | None) -> str | None:
+    """The draft as ``warmup.PERSISTENT_AFTER_PROFILE`` is keyed: None, "eagle3_mla" or the family."""
+    if draft is None:
+        return None
+    if draft.draft is not None and draft.draft.generic_mla is not None:
+        return "eagle3_mla"
+    return draft.family
 
 
 def _moe_workspace_held(model: ModelInventory, layout: Layout, start: int, end: int, moe_tokens: int) -> int:

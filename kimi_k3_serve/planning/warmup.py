@@ -25,7 +25,8 @@ FLASHMLA_DECODE_THRESHOLD = 128
 """``FlashMLAMetadataBuilder.reorder_batch_threshold``: a request of at most this many tokens is a decode."""
 FLASHMLA_QUERY_TILE = 64
 """FlashMLA's query rows per tile (``num_sm_parts = SMs / cdiv(query_len x heads, 64)``)."""
-PERSISTENT_AFTER_PROFILE = {"dspark": int(0.95 * (1 << 30)), "none": int(0.09 * (1 << 30))}
+PERSISTENT_AFTER_PROFILE = {"dspark": int(0.95 * (1 << 30)), "none": int(0.09 * (1 << 30)),
+                            "eagle3_mla": int(0.28 * (1 << 30))}
 """Bytes that hold memory as warmup begins beyond what vLLM's profile held, by draft, beside one hidden state of
 ``max_num_batched_tokens`` (``persistent_after_profile_bytes``). Fitted on round 26's six H100 runs: rehearse's plugin
 logs what warmup began with; less the weights and KV cache vLLM logged, the workspace lanes as they stood and the
@@ -35,8 +36,9 @@ per sequence: at DSpark's 6.06 fp32 ``max_num_seqs x vocab`` copies, the H200's 
 sequences, which started at 0.88, could not have. Round 27 scored it out of sample, at shapes the fit never saw:
 0.933 GiB with DSpark at 128 sequences, 0.948 at 256, and 0.081 with no draft at 256 (the plan 0.002 to 0.018 GiB
 over). Rounds 29 to 32 (H100, out of sample): 0.021 to 0.026 GiB under at 3 speculative tokens and with no draft at
-384 sequences, inside the allocator reserve's margin; 0.11 GiB over with no draft at 16,384 tokens. An EAGLE3
-drafter is charged DSpark's (not measured)."""
+384 sequences, inside the allocator reserve's margin; 0.11 GiB over with no draft at 16,384 tokens. The MLA EAGLE3
+drafter's, 0.276 GiB, is read on its one run (round 33, k4-tp1-b8192-s128-eagle3mla-u099-h100, H100: 0.67 GiB under
+DSpark's, which it was charged before); another EAGLE3 drafter is charged DSpark's (not measured)."""
 ALLOCATOR_RESERVE_FRACTION = 0.5
 """Of warmup's largest single request (FlashMLA's fp32 output accumulator where it decodes, 1.51 GiB at 8,192 tokens
 over 128 or 256 requests): what the caching allocator could not hand to it (cached blocks too small or split, and
@@ -49,6 +51,16 @@ ALLOCATOR_RESERVE_FRACTION_LOW = 0.3
 """The low end of the reserve's band: round 26's fit runs ran out of memory with 32 % of the request left (once the
 warmup forward no longer counted DSpark's held profile copies) and started with 58 %. Between this and
 ``ALLOCATOR_RESERVE_FRACTION`` warmup may start or not: the verdict is "at risk", not "does not fit"."""
+
+DRAFT_STEP_RESERVE_FRACTION = 1.05
+"""Of the MLA EAGLE3 drafter's largest request in warmup (its FlashMLA output accumulator, the size of the target's
+just before it): what the caching allocator could not hand to it. The drafter's step runs in the same dummy run,
+right after the target's forward has freed its temporaries, and carves its own tensors out of the blocks they left
+(the accumulator's among them), so the second request of that size finds less whole room than the first.
+Read on its one run (round 33, k4-tp1-b8192-s128-eagle3mla-u099-h100, H100): vLLM ran out of memory there with, in
+the plan's own terms, 1.01 times the request left beyond the rest of the step's need (the target's forward, whose
+request of the same size came first, went through); the fraction is that bound and a little more, with no band
+below it until a run at the proposal has started. The drafter's step adds 0.03 GiB to the target's forward there."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,7 @@ def persistent_after_profile_bytes(tokens: int, hidden_size: int, dtype_bytes: i
                                    last_stage: bool) -> int:
     """What holds memory as kernel warmup begins, beyond the weights, the KV cache, the workspace lanes and what vLLM's
     profile held: one hidden state of ``tokens`` on every stage, and on the last stage ``PERSISTENT_AFTER_PROFILE``
-    (fitted)."""
-    rest = PERSISTENT_AFTER_PROFILE["none" if draft_kind is None else "dspark"] if last_stage else 0
+    (fitted) by ``draft_kind`` (None, "dspark", "eagle3_mla"; another is charged DSpark's)."""
+    kind = "none" if draft_kind is None else draft_kind if draft_kind in PERSISTENT_AFTER_PROFILE else "dspark"
+    rest = PERSISTENT_AFTER_PROFILE[kind] if last_stage else 0
     return tokens * hidden_size * dtype_bytes + rest
