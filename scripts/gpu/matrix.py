@@ -524,6 +524,22 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b12288-s256-nodraft-u092-h100", 4, tokens=12288, seqs=256, util=0.92, draft=None,
              role="validation", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-seventh session), before these run, for an H100 80GB: validation runs of round 33's
+    # warmup prefill term and of the MLA EAGLE3 drafter's warmup step (planning/memory.py _eagle3_mla_warmup_step, its
+    # reserve and what warmup began with read on round 33's one run), at round 33's shapes. Each at the proposal of the
+    # plan shipped with this set (no draft at 4,096 / 512: 0.86, proposed from round 33's 0.90; the MLA EAGLE3 at
+    # 8,192 / 128: 0.975), then 0.005 or 0.01 above it, where the plan says vLLM runs out of memory in warmup (0.22
+    # and 0.14 GiB short: the EAGLE3 shape only through the prefill term added beside the drafter's step).
+    "ranks-round30-h100": [
+        kimi("k4-tp1-b4096-s512-nodraft-u086-h100", 4, tokens=4096, seqs=512, util=0.86, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s128-eagle3mla-u0975-h100", 4, tokens=8192, seqs=128, util=0.975, draft=EAGLE3_MLA,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s128-eagle3mla-u098-h100", 4, tokens=8192, seqs=128, util=0.98, draft=EAGLE3_MLA,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b4096-s512-nodraft-u087-h100", 4, tokens=4096, seqs=512, util=0.87, draft=None,
+             role="validation", expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
