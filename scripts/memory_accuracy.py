@@ -116,9 +116,9 @@ READ_BEFORE_A_CHANGE = {
                                              "13.47 GiB beside 350 gathered states (the same term, 2026-12-06)",
     "k4-tp1-b8192-s128-eagle3mla-u099-h100": "called \"fits\" at the utilization the plan proposed (0.99), where "
                                              "vLLM ran out of memory in FlashInfer's autotune, in the MLA EAGLE3 "
-                                             "drafter's FlashMLA decode accumulators (1.51 GiB); the plan now says "
-                                             "\"does not fit\" there through the warmup prefill term chosen on "
-                                             "round 33, not through the drafter's forward, which it does not model",
+                                             "drafter's FlashMLA decode accumulators (1.51 GiB): the drafter's "
+                                             "warmup step (planning/memory.py _eagle3_mla_warmup_step), its reserve "
+                                             "and what warmup began with for it were chosen on this run (2026-12-06)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""
