@@ -119,6 +119,13 @@ READ_BEFORE_A_CHANGE = {
                                              "drafter's FlashMLA decode accumulators (1.51 GiB): the drafter's "
                                              "warmup step (planning/memory.py _eagle3_mla_warmup_step), its reserve "
                                              "and what warmup began with for it were chosen on this run (2026-12-06)",
+    "k4-tp1-b8192-s128-eagle3mla-u098-h100": "called \"does not fit\" 0.005 above the proposal (0.14 GiB short "
+                                             "through the warmup prefill term, added beside the drafter's step), "
+                                             "where vLLM started: that term's band (planning/capture.py "
+                                             "WARMUP_PREFILL_GATHER_BAND) was chosen on this run (2026-12-06)",
+    "k4-tp1-b4096-s512-nodraft-u087-h100": "called \"does not fit\" 0.01 above the proposal (0.22 GiB short in "
+                                           "warmup's prefill), and vLLM ran out of memory there; the same band was "
+                                           "bounded by it (2026-12-06)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

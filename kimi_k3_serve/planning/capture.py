@@ -35,6 +35,15 @@ CAPTURE_RESERVE_FRACTION_LOW = 1.1
 verdict is "does not fit"."""
 
 
+WARMUP_PREFILL_GATHER_BAND = int(0.15 * (1 << 30))
+"""How far the warmup prefill term (gathered states and their forward, ``warmup_prefill_requests``) may overrun the
+room after the KV cache with vLLM starting anyway: the plan adds it beside its other after-KV terms, not at its own
+moment in warmup, and it was that much over where vLLM started (H100: 0.02 and 0.09 GiB short with DSpark's 3
+speculative tokens, rounds 29 and 31; 0.14 GiB with the MLA EAGLE3 beside its drafter's step, round 36), while with
+no draft it was 0.22 GiB short where vLLM ran out of memory in that prefill (round 37). Within it the verdict is
+"at risk"; beyond it, "does not fit"."""
+
+
 def capture_prefill_requests(max_num_seqs: int, decode_query_len: int, largest_capture: int) -> int:
     """The requests of the largest PIECEWISE capture whose states KDA gathers: ``min(size, max_num_seqs)`` where the
     size exceeds ``max_num_seqs`` decode steps (KDA's prefill path), else 0 (a decode batch gathers nothing)."""

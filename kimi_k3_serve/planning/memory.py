@@ -42,6 +42,7 @@ from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.capture import (
     CAPTURE_RESERVE_FRACTION,
     CAPTURE_RESERVE_FRACTION_LOW,
+    WARMUP_PREFILL_GATHER_BAND,
     capture_prefill_requests,
     gathered_states_bytes,
     warmup_prefill_requests,
@@ -614,14 +615,16 @@ def estimate_memory(
             reserve = int(warmup_peak.reserve_fraction * warmup_peak.largest_request_bytes)
             warmup = max(0, over - graphs_free + since + reserve)
             warmup_band = min(warmup, reserve - int(warmup_peak.reserve_fraction_low * warmup_peak.largest_request_bytes))
+            measured = (f"{warmup_peak.reserve_fraction_low:.0%} to {warmup_peak.reserve_fraction:.0%} measured"
+                        if warmup_peak.reserve_fraction_low < warmup_peak.reserve_fraction
+                        else "its reserve read on one failed run")
             estimates.append(Estimate("warmup_mla_decode", s, warmup, 0, warmup_peak.basis
                                       + f"; {over / GiB:+.2f} GiB over the profile's peak, less the "
                                       f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured, plus "
                                       f"{since / GiB:.2f} GiB allocated since the profile (fitted) and the "
                                       f"allocator's reserve, {warmup_peak.reserve_fraction:.0%} of its largest request "
-                                      f"({reserve / GiB:.2f} GiB; {warmup_peak.reserve_fraction_low:.0%} to "
-                                      f"{warmup_peak.reserve_fraction:.0%} measured): "
-                                      f"{warmup / GiB:.2f} GiB outside the budget"))
+                                      f"({reserve / GiB:.2f} GiB; {measured}): {warmup / GiB:.2f} GiB outside the "
+                                      "budget"))
             capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc,
                                                     held=warmup_peak.bytes - warmup_peak.forward_bytes, act=act,
                                                     graphs_free=graphs_free, since=since, estimates=estimates)
@@ -1342,8 +1345,11 @@ def _held_beside_flashkda(stage_costs: list[StageCosts], beside: Sequence[tuple[
                                       f"kernel warmup's prefill ({requests} requests of {query_len + 1} tokens, "
                                       f"vLLM _warmup_kernels): {requests * per_request / GiB:.2f} GiB of gathered "
                                       f"recurrent states and the KDA layer's forward, held while FlashKDA first "
-                                      f"asks for its buffers (exact shapes)"))
-        out.append(replace(c, after_kv_bytes=c.after_kv_bytes + held) if held else c)
+                                      f"asks for its buffers (exact shapes); added beside the other after-KV "
+                                      f"terms, not at its own moment: up to {WARMUP_PREFILL_GATHER_BAND / GiB:.2f} "
+                                      f"GiB over where vLLM started (measured)"))
+        out.append(replace(c, after_kv_bytes=c.after_kv_bytes + held, warmup_band_bytes=c.warmup_band_bytes
+                           + min(held, WARMUP_PREFILL_GATHER_BAND)) if held else c)
     return out
 
 
