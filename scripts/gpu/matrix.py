@@ -540,6 +540,17 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b4096-s512-nodraft-u087-h100", 4, tokens=4096, seqs=512, util=0.87, draft=None,
              role="validation", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-seventh session), before these run, for an H100 80GB: validation runs of the MLA
+    # EAGLE3 drafter's warmup step and its reserve (read at 8,192 / 128 only, rounds 33 and 36) at other token budgets,
+    # each at the proposal of the plan shipped with this set: 16,384 tokens over 128 requests (128-token decodes, a
+    # 3.02 GiB accumulator; the drafter's step sets the proposal, 0.915) and 4,096 over 128 (the prefill term sets it,
+    # 0.97).
+    "ranks-round31-h100": [
+        kimi("k4-tp1-b16384-s128-eagle3mla-u0915-h100", 4, tokens=16384, seqs=128, util=0.915, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b4096-s128-eagle3mla-u097-h100", 4, tokens=4096, seqs=128, util=0.97, draft=EAGLE3_MLA,
+             role="validation", expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
