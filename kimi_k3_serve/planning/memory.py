@@ -1227,7 +1227,7 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
                       f"held + its draft logits, {rows:,} rows x vocab {draft.vocab_size} "
                       f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted)")
             peak = max(peak, step)
-        if draft is not None and draft.draft is not None and draft.draft.generic_mla is not None:
+        if _is_mla_eagle3(draft):
             step_held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len,
                                                             block_size, layout.dcp)
             moe = _moe_workspace_held(model, layout, start, end, mnbt * gathered)
@@ -1266,8 +1266,7 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
         eagle3_aux = (draft.draft.num_aux_hidden_states or 3) * hidden_state_bytes(model, mnbt)
     warmup = _mla_warmup_peak(model, layout, start, end, mnbt, seqs, moe_held, aux_layers, draft, num_spec, cc,
                               eagle3_aux)
-    if warmup.bytes and last_stage and draft is not None and draft.draft is not None \
-            and draft.draft.generic_mla is not None:
+    if warmup.bytes and last_stage and _is_mla_eagle3(draft):
         step = _eagle3_mla_warmup_step(model, layout, draft, draft_tp, start, end, mnbt * gathered, mnbt, seqs, cc)
         if step.need_bytes > warmup.need_bytes:
             warmup = replace(step, basis=step.basis + f"; over the target's forward ({warmup.bytes / GiB:.2f} GiB, "
@@ -1447,13 +1446,16 @@ def _eagle3_mla_warmup_step(model: ModelInventory, layout: Layout, draft: ModelI
                          DRAFT_STEP_RESERVE_FRACTION)
 
 
+def _is_mla_eagle3(draft: ModelInventory | None) -> bool:
+    """The draft's attention is vLLM's generic ``MLAAttention`` (the MLA EAGLE3), whose steps the plan takes apart."""
+    return draft is not None and draft.draft is not None and draft.draft.generic_mla is not None
+
+
 def _draft_kind(draft: ModelInventory | None) -> str | None:
     """The draft as ``warmup.PERSISTENT_AFTER_PROFILE`` is keyed: None, "eagle3_mla" or the family."""
     if draft is None:
         return None
-    if draft.draft is not None and draft.draft.generic_mla is not None:
-        return "eagle3_mla"
-    return draft.family
+    return "eagle3_mla" if _is_mla_eagle3(draft) else draft.family
 
 
 def _moe_workspace_held(model: ModelInventory, layout: Layout, start: int, end: int, moe_tokens: int) -> int:

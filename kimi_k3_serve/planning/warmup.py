@@ -60,7 +60,8 @@ right after the target's forward has freed its temporaries, and carves its own t
 Read on its one run (round 33, k4-tp1-b8192-s128-eagle3mla-u099-h100, H100): vLLM ran out of memory there with, in
 the plan's own terms, 1.01 times the request left beyond the rest of the step's need (the target's forward, whose
 request of the same size came first, went through); the fraction is that bound and a little more, with no band
-below it until a run at the proposal has started. The drafter's step adds 0.03 GiB to the target's forward there."""
+below it. The drafter's step adds 0.03 GiB to the target's forward there. Round 36 started at the proposal (0.975)
+and at 0.98 with room to spare beyond this reserve, so it bounds nothing below it."""
 
 
 @dataclass(frozen=True)
