@@ -551,6 +551,18 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b4096-s128-eagle3mla-u097-h100", 4, tokens=4096, seqs=128, util=0.97, draft=EAGLE3_MLA,
              role="validation", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-eighth session), before these run, for an H100 80GB: just above the MLA EAGLE3
+    # drafter's boundary at 16,384 tokens (0.92, 0.08 GiB short in the drafter's step, where round 31 tries the
+    # proposal, 0.915), and two shapes no run has had, each at the proposal of the plan shipped with this set: DSpark
+    # with 3 speculative tokens at 2,048 tokens over 256 requests (0.945) and no draft at 12,288 over 64 (0.985).
+    "ranks-round32-h100": [
+        kimi("k4-tp1-b16384-s128-eagle3mla-u092-h100", 4, tokens=16384, seqs=128, util=0.92, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b2048-s256-dspark3-u0945-h100", 4, tokens=2048, seqs=256, util=0.945, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b12288-s64-nodraft-u0985-h100", 4, tokens=12288, seqs=64, util=0.985, draft=None,
+             role="validation", expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
