@@ -563,6 +563,17 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b12288-s64-nodraft-u0985-h100", 4, tokens=12288, seqs=64, util=0.985, draft=None,
              role="validation", expected_s=150),
     ],
+    # Roles fixed 2026-12-06 (thirty-eighth session), before these run, for an H100 80GB, after rounds 39 and 40 set
+    # the MLA EAGLE3 drafter reserve's band (1.15 to 1.5 of its request) and the MLA prefill path's reserve (1.0): no
+    # draft at 12,288 tokens over 64 requests at the new proposal (0.98), and the MLA EAGLE3 at 16,384 over 128 at
+    # 0.90, where the drafter's step leaves 1.55 times its request (the plan "at risk" there by the pool's bands alone;
+    # it proposes no utilization for this shape on an H100).
+    "ranks-round33-h100": [
+        kimi("k4-tp1-b12288-s64-nodraft-u098-h100", 4, tokens=12288, seqs=64, util=0.98, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b16384-s128-eagle3mla-u090-h100", 4, tokens=16384, seqs=128, util=0.90, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
