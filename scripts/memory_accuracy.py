@@ -126,6 +126,16 @@ READ_BEFORE_A_CHANGE = {
     "k4-tp1-b4096-s512-nodraft-u087-h100": "called \"does not fit\" 0.01 above the proposal (0.22 GiB short in "
                                            "warmup's prefill), and vLLM ran out of memory there; the same band was "
                                            "bounded by it (2026-12-06)",
+    "k4-tp1-b16384-s128-eagle3mla-u0915-h100": "called \"fits\" at the utilization the plan proposed (0.915), where "
+                                               "vLLM ran out of memory in FlashInfer's autotune, asking for the MLA "
+                                               "EAGLE3 drafter's 3.02 GiB accumulator with 1.16 times it left in the "
+                                               "plan's terms: the drafter reserve's band (planning/warmup.py "
+                                               "DRAFT_STEP_RESERVE_FRACTION) was measured with it (2026-12-06)",
+    "k4-tp1-b12288-s64-nodraft-u0985-h100": "called \"fits\" at the utilization the plan proposed (0.985), where "
+                                            "vLLM ran out of memory in FlashInfer's autotune, at the MLA's prefill "
+                                            "path (the concatenated key, 0.42 GiB): the prefill path's reserve "
+                                            "(planning/warmup.py PREFILL_RESERVE_FRACTION) was read on it "
+                                            "(2026-12-06)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

@@ -51,7 +51,10 @@ from kimi_k3_serve.planning.warmup import (
     ALLOCATOR_RESERVE_FRACTION,
     ALLOCATOR_RESERVE_FRACTION_LOW,
     DRAFT_STEP_RESERVE_FRACTION,
+    DRAFT_STEP_RESERVE_FRACTION_LOW,
     FLASHMLA_DECODE_THRESHOLD,
+    PREFILL_RESERVE_FRACTION,
+    PREFILL_RESERVE_FRACTION_LOW,
     mla_base_bytes_per_token,
     mla_warmup,
     persistent_after_profile_bytes,
@@ -512,6 +515,7 @@ def estimate_memory(
     # Per stage (exact) weights and (estimated) non-KV.
     stage_costs: list[StageCosts] = []
     warmup_forwards: list[int] = []
+    own_moments: list[tuple[int, int]] = []  # per stage: an after-KV need at its own moment, and its band
     beside_flashkda: list[tuple[int, int]] = []  # per stage: (bytes a warmup prefill request holds, per token)
     estimates: list[Estimate] = []
     tp_nodes = {d.node_id for d in devs[:layout.tp] if d.node_id}
@@ -606,15 +610,12 @@ def estimate_memory(
         # Kernel warmup runs before any graph is captured: its forward's peak over the profile's first fills the
         # CUDA-graph estimate (less the workspace its profiling grew and kept); that, what was allocated since the
         # profile and the allocator's reserve must fit outside the budget.
-        warmup = warmup_band = 0
+        warmup = warmup_band = own_moment = own_moment_band = 0
         if warmup_peak.bytes and not engine.enforce_eager:
             graphs_free = max(0, cg - cg_kept)
-            over = warmup_peak.bytes - act
             since = persistent_after_profile_bytes(mnbt, model.hidden_size, DTYPE_BITS[model.dtype] // 8,
                                                    _draft_kind(draft), s == layout.pp - 1)
-            reserve = int(warmup_peak.reserve_fraction * warmup_peak.largest_request_bytes)
-            warmup = max(0, over - graphs_free + since + reserve)
-            warmup_band = min(warmup, reserve - int(warmup_peak.reserve_fraction_low * warmup_peak.largest_request_bytes))
+            warmup, warmup_band, over, reserve = _warmup_outside(warmup_peak, act, graphs_free, since)
             measured = (f"{warmup_peak.reserve_fraction_low:.0%} to {warmup_peak.reserve_fraction:.0%} measured"
                         if warmup_peak.reserve_fraction_low < warmup_peak.reserve_fraction
                         else "its reserve read on one failed run")
@@ -625,6 +626,12 @@ def estimate_memory(
                                       f"allocator's reserve, {warmup_peak.reserve_fraction:.0%} of its largest request "
                                       f"({reserve / GiB:.2f} GiB; {measured}): {warmup / GiB:.2f} GiB outside the "
                                       "budget"))
+            if warmup_peak.target is not None:
+                # The drafter's step is its own moment of the autotune's dummy run: the target's forward, freed
+                # before it, is what warmup's later prefill (its gathered states, added by _held_beside_flashkda)
+                # and the capture are weighed beside.
+                own_moment, own_moment_band = after_kv + warmup, warmup_band
+                warmup, warmup_band, _, _ = _warmup_outside(warmup_peak.target, act, graphs_free, since)
             capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc,
                                                     held=warmup_peak.bytes - warmup_peak.forward_bytes, act=act,
                                                     graphs_free=graphs_free, since=since, estimates=estimates)
@@ -636,6 +643,7 @@ def estimate_memory(
         warmup_forwards.append(warmup_peak.forward_bytes if not engine.enforce_eager else 0)
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv + warmup,
                                       warmup_band))
+        own_moments.append((own_moment, own_moment_band))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
     rank_stage = [layout.stage_of_rank(r) for r in range(world)]
@@ -661,6 +669,7 @@ def estimate_memory(
     if any(per_request for per_request, _ in beside_flashkda):
         stage_costs = _held_beside_flashkda(stage_costs, beside_flashkda, grouping, engine, mnbt, seqs, num_spec,
                                             block_size, pool.num_blocks, estimates)
+    stage_costs = [_with_own_moment(c, *own) for c, own in zip(stage_costs, own_moments)]
     page = grouping.groups[0].page_of(0) if grouping.groups else 0
     ranks = []
     for r in range(world):
@@ -1270,7 +1279,8 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
         step = _eagle3_mla_warmup_step(model, layout, draft, draft_tp, start, end, mnbt * gathered, mnbt, seqs, cc)
         if step.need_bytes > warmup.need_bytes:
             warmup = replace(step, basis=step.basis + f"; over the target's forward ({warmup.bytes / GiB:.2f} GiB, "
-                             f"{warmup.forward_bytes / GiB:.2f} GiB of it allocated by the forward)")
+                             f"{warmup.forward_bytes / GiB:.2f} GiB of it allocated by the forward)",
+                             target=replace(warmup, bytes=warmup.bytes + held))
         else:
             warmup = replace(warmup, basis=warmup.basis + f"; over the MLA EAGLE3 drafter's step ({step.bytes / GiB:.2f} "
                              f"GiB, {step.reserve_fraction:.0%} reserve)")
@@ -1293,11 +1303,36 @@ class MlaWarmupPeak:
     """Of ``largest_request_bytes``: what the caching allocator could not hand to it (``warmup``'s reserves)."""
     reserve_fraction_low: float = ALLOCATOR_RESERVE_FRACTION_LOW
     """The low end of the reserve's measured band (down to it, the verdict is "at risk")."""
+    target: MlaWarmupPeak | None = None
+    """Where this is the MLA EAGLE3 drafter's step: the target's forward before it, which warmup's later steps are
+    weighed beside."""
 
     @property
     def need_bytes(self) -> int:
         """The peak and the allocator's reserve for its largest request: what the larger of two peaks is judged by."""
         return self.bytes + int(self.reserve_fraction * self.largest_request_bytes)
+
+
+def _warmup_outside(peak: MlaWarmupPeak, act: int, graphs_free: int, since: int) -> tuple[int, int, int, int]:
+    """What kernel warmup's peak needs outside the budget: its excess over the profile's peak less the CUDA-graph
+    estimate not yet captured, what was allocated since the profile, and the allocator's reserve for its largest
+    request; with the part of it within the reserve's measured band, the excess and the reserve."""
+    over = peak.bytes - act
+    reserve = int(peak.reserve_fraction * peak.largest_request_bytes)
+    warmup = max(0, over - graphs_free + since + reserve)
+    band = min(warmup, reserve - int(peak.reserve_fraction_low * peak.largest_request_bytes))
+    return warmup, band, over, reserve
+
+
+def _with_own_moment(costs: StageCosts, own_bytes: int, own_band_bytes: int) -> StageCosts:
+    """The stage's after-KV need once a need at its own moment of warmup is weighed apart from what
+    ``after_kv_bytes`` adds up (the MLA EAGLE3 drafter's step, after the target's forward has freed its temporaries):
+    the larger need counts, and vLLM fails for sure where either one is short beyond its own band."""
+    if own_bytes <= 0:
+        return costs
+    beyond = max(costs.after_kv_bytes - costs.warmup_band_bytes, own_bytes - own_band_bytes)
+    after = max(costs.after_kv_bytes, own_bytes)
+    return replace(costs, after_kv_bytes=after, warmup_band_bytes=after - beyond)
 
 
 def _dspark_held_copies_bytes(model: ModelInventory, aux_layers: Sequence[int], mnbt: int) -> int:
@@ -1415,7 +1450,10 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     if cc[0] != 9:
         basis += (f"; on compute capability {cc[0]}.{cc[1]} vLLM picks another MLA backend, whose buffers FlashMLA's "
                   "shapes stand in for (not read from its code)")
-    return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, basis)
+    if batch.decode_tokens:
+        return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, basis)
+    return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, basis + "; the prefill path's reserve",
+                         PREFILL_RESERVE_FRACTION, PREFILL_RESERVE_FRACTION_LOW)
 
 
 def _eagle3_mla_warmup_step(model: ModelInventory, layout: Layout, draft: ModelInventory, draft_tp: int, start: int,
@@ -1441,9 +1479,10 @@ def _eagle3_mla_warmup_step(model: ModelInventory, layout: Layout, draft: ModelI
              f"({batch.decode_requests:,} decodes of {batch.decode_query_len} tokens on the target's metadata): "
              f"{layer.extra_bytes / GiB:.2f} GiB of its decode path and {held / GiB:.2f} GiB its step holds (exact "
              f"shapes, vLLM mla_attention.py forward_impl, target_dependent_ar/speculator.py _prefill), its largest "
-             f"request judged with {DRAFT_STEP_RESERVE_FRACTION:.0%} reserve (fitted on one run)")
+             f"request judged with its own reserve, {DRAFT_STEP_RESERVE_FRACTION_LOW:.0%} to "
+             f"{DRAFT_STEP_RESERVE_FRACTION:.0%} (measured on five H100 runs)")
     return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, basis, DRAFT_STEP_RESERVE_FRACTION,
-                         DRAFT_STEP_RESERVE_FRACTION)
+                         DRAFT_STEP_RESERVE_FRACTION_LOW)
 
 
 def _is_mla_eagle3(draft: ModelInventory | None) -> bool:

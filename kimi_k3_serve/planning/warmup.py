@@ -52,16 +52,29 @@ ALLOCATOR_RESERVE_FRACTION_LOW = 0.3
 warmup forward no longer counted DSpark's held profile copies) and started with 58 %. Between this and
 ``ALLOCATOR_RESERVE_FRACTION`` warmup may start or not: the verdict is "at risk", not "does not fit"."""
 
-DRAFT_STEP_RESERVE_FRACTION = 1.05
+PREFILL_RESERVE_FRACTION = 1.0
+"""``ALLOCATOR_RESERVE_FRACTION`` where warmup's MLA takes the prefill path (every request over
+``FLASHMLA_DECODE_THRESHOLD`` tokens), whose largest request is ``kv_b_proj``'s output. Round 40 (H100, 12,288 tokens
+over 64 requests, no draft, at the proposal 0.985 of the plan with 0.5 here, scored out of sample): the forward held
+what the plan says at the MLA to 0.01 GiB, and vLLM ran out of memory there asking for the concatenated key (0.42
+GiB) with, in the plan's own terms, 0.97 times the largest request left beyond the rest of the need. Before the MLA,
+a 1.55 GiB request no term names yet needed the allocator's cache released, and left its blocks split. Read on that
+one failed run: no run has started near it, so the band below it is only the failure's own."""
+PREFILL_RESERVE_FRACTION_LOW = 0.95
+"""The low end of the prefill path's band: just below the room vLLM ran out of memory with (0.97, round 40)."""
+
+DRAFT_STEP_RESERVE_FRACTION = 1.5
 """Of the MLA EAGLE3 drafter's largest request in warmup (its FlashMLA output accumulator, the size of the target's
 just before it): what the caching allocator could not hand to it. The drafter's step runs in the same dummy run,
 right after the target's forward has freed its temporaries, and carves its own tensors out of the blocks they left
 (the accumulator's among them), so the second request of that size finds less whole room than the first.
-Read on its one run (round 33, k4-tp1-b8192-s128-eagle3mla-u099-h100, H100): vLLM ran out of memory there with, in
-the plan's own terms, 1.01 times the request left beyond the rest of the step's need (the target's forward, whose
-request of the same size came first, went through); the fraction is that bound and a little more, with no band
-below it. The drafter's step adds 0.03 GiB to the target's forward there. Round 36 started at the proposal (0.975)
-and at 0.98 with room to spare beyond this reserve, so it bounds nothing below it."""
+Measured in the plan's own terms, as the room left beyond the rest of the step's need over the request (H100, all at
+128 requests): vLLM ran out of memory at 1.01 (round 33, 8,192 tokens, a 1.51 GiB request) and at 1.16 (round 39,
+16,384 tokens, 3.02 GiB: the proposal of the plan with 1.05 here, scored out of sample), and started at 1.53 and 1.79
+(round 36, 8,192) and 3.51 (round 39, 4,096). "Fits" and the proposal take this, just below the least room vLLM
+started with; down to ``DRAFT_STEP_RESERVE_FRACTION_LOW`` the verdict is "at risk"."""
+DRAFT_STEP_RESERVE_FRACTION_LOW = 1.15
+"""The low end of the drafter reserve's band: just below the most room vLLM ran out of memory with (1.16, round 39)."""
 
 
 @dataclass(frozen=True)
