@@ -618,6 +618,7 @@ def estimate_memory(
             warmup, warmup_band, over, reserve = _warmup_outside(warmup_peak, act, graphs_free, since)
             measured = (f"{warmup_peak.reserve_fraction_low:.0%} to {warmup_peak.reserve_fraction:.0%} measured"
                         if warmup_peak.reserve_fraction_low < warmup_peak.reserve_fraction
+                        else "none measured" if not warmup_peak.reserve_fraction
                         else "its reserve read on one failed run")
             estimates.append(Estimate("warmup_mla_decode", s, warmup, 0, warmup_peak.basis
                                       + f"; {over / GiB:+.2f} GiB over the profile's peak, less the "
@@ -1284,6 +1285,15 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
         else:
             warmup = replace(warmup, basis=warmup.basis + f"; over the MLA EAGLE3 drafter's step ({step.bytes / GiB:.2f} "
                              f"GiB, {step.reserve_fraction:.0%} reserve)")
+    dense = _dense_mlp_warmup_peak(model, layout, start, end, mnbt, mnbt * gathered)
+    if warmup.bytes and dense.need_bytes > warmup.need_bytes:
+        warmup = replace(dense, basis=dense.basis + f"; over the MLA's ({warmup.bytes / GiB:.2f} GiB)")
+    elif warmup.bytes and dense.forward_bytes > warmup.forward_bytes:
+        # The forward's own peak (what rehearse's plugin reads) is the dense layer's; the MLA's need, with its
+        # reserve, is the larger.
+        warmup = replace(warmup, forward_bytes=dense.forward_bytes, basis=warmup.basis + (
+            f"; the forward peaks at layer 0's dense MLP ({dense.forward_bytes / GiB:.2f} GiB allocated), whose need, "
+            "with no reserve, is the smaller"))
     if warmup.bytes:
         warmup = replace(warmup, bytes=warmup.bytes + held)
     peak += held
@@ -1311,6 +1321,31 @@ class MlaWarmupPeak:
     def need_bytes(self) -> int:
         """The peak and the allocator's reserve for its largest request: what the larger of two peaks is judged by."""
         return self.bytes + int(self.reserve_fraction * self.largest_request_bytes)
+
+
+def _dense_mlp_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int, mnbt: int,
+                           moe_tokens: int) -> MlaWarmupPeak:
+    """Kernel warmup's forward at a Kimi-K3 dense-MLP layer (global layer 0, ``first_k_dense_replace``): the MoE
+    workspace the profile grew is held from the start of warmup, so this layer, which the profile ran before any MoE
+    layer grew it, can set warmup's peak (models/kimi_k3/nvidia/model.py ``KimiMLP.forward``: ``gate_up_proj``'s
+    output, 2 x intermediate, and the activation's, 1 x, beside ``down_proj``'s output and the residual side of a
+    layer that opens a block). Round 40 (H100, 12,288 tokens, no draft): the plugin read autotune's peak at
+    3,372,222,976 B over what warmup began with, this term 3,372,220,416. No allocator reserve: there ``gate_up``'s
+    1.55 GiB went through with 0.08 times it left in the plan's terms, once the allocator had released its cache.
+    Zero where the stage has no dense layer or the model is not Kimi-K3."""
+    w = model.widths
+    if not model.attn_res_block_size or not any(model.layers[i].mlp == "dense" for i in range(start, end)):
+        return MlaWarmupPeak(0, 0, 0, "", 0.0, 0.0)
+    b = DTYPE_BITS[model.dtype] // 8
+    inter = max(w.intermediate_size // layout.tp, 1)
+    per_token = b * (w.hidden_size * (cdiv(end, model.attn_res_block_size) + 4) + 3 * inter)
+    workspace = _moe_workspace_held(model, layout, start, end, moe_tokens)
+    forward = mnbt * per_token
+    basis = (f"kernel warmup's forward at max_num_batched_tokens={mnbt} holds {(forward + workspace) / GiB:.2f} GiB at "
+             f"the dense MLP of layer 0, with the MoE workspace held from the profile ({per_token:,} B per token, exact "
+             "shapes, vLLM models/kimi_k3/nvidia/model.py KimiMLP.forward); no allocator reserve (round 40's went "
+             "through with 0.08 times its largest request left)")
+    return MlaWarmupPeak(forward + workspace, mnbt * 2 * inter * b, forward, basis, 0.0, 0.0)
 
 
 def _warmup_outside(peak: MlaWarmupPeak, act: int, graphs_free: int, since: int) -> tuple[int, int, int, int]:
@@ -1481,8 +1516,9 @@ def _eagle3_mla_warmup_step(model: ModelInventory, layout: Layout, draft: ModelI
              f"shapes, vLLM mla_attention.py forward_impl, target_dependent_ar/speculator.py _prefill), its largest "
              f"request judged with its own reserve, {DRAFT_STEP_RESERVE_FRACTION_LOW:.0%} to "
              f"{DRAFT_STEP_RESERVE_FRACTION:.0%} (measured on five H100 runs)")
-    return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace, basis, DRAFT_STEP_RESERVE_FRACTION,
-                         DRAFT_STEP_RESERVE_FRACTION_LOW)
+    buffer = mnbt * draft.hidden_size * b  # the speculator's hidden-state buffer, held before warmup begins
+    return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace - buffer, basis,
+                         DRAFT_STEP_RESERVE_FRACTION, DRAFT_STEP_RESERVE_FRACTION_LOW)
 
 
 def _is_mla_eagle3(draft: ModelInventory | None) -> bool:
@@ -1543,11 +1579,15 @@ def eagle3_mla_profile_bytes(model: ModelInventory, draft: ModelInventory, draft
     instead (models/kimi_k3/nvidia/mla.py ``_attention``), so only this draft pays it.
 
     Held at that moment, ``tokens`` rows each, in the model dtype: the target's last hidden state and its
-    ``num_aux`` aux hidden states (``_dummy_run``), the fused ``fc`` output (``propose``), the draft's input
+    ``num_aux`` aux hidden states (``_dummy_run``), the fused ``fc`` output (``propose``) and the speculator's own
+    ``hidden_states`` buffer it is copied into (``TargetDependentARSpeculator.__init__``: ``max_num_batched_tokens``
+    rows, allocated with the runner and held throughout; the drafter's residual is a view of it), the draft's input
     embedding and its normed copy, ``cat([embeds, hidden])`` (2 x hidden), ``fused_qkv_a_proj``'s output
     (q_lora + kv_lora + rope) and the normed q/kv latents, ``q`` (local heads x (nope + rope)) and the attention
     output (local heads x v). The target's forward temporaries are freed by then; the MoE workspace is not (the
-    caller adds it). 4.75 GiB at full width (96 heads, 70,656 rows), 1.48 GiB on a TP8 rank (12 heads)."""
+    caller adds it). 4.75 GiB at full width (96 heads, 70,656 rows), 1.48 GiB on a TP8 rank (12 heads). The buffer
+    was found on round 39's H100 runs: the profile was 0.05, 0.12 and 0.24 GiB over the plan at 4,096, 8,192 and
+    16,384 tokens, 14,362 B a token (its 14,336 and the runner's two input buffers), from the plugin's load peak."""
     g = draft.draft.generic_mla
     b = DTYPE_BITS.get(draft.dtype, 16) // 8
     heads = max(1, draft.num_attention_heads // max(draft_tp, 1))
@@ -1555,7 +1595,7 @@ def eagle3_mla_profile_bytes(model: ModelInventory, draft: ModelInventory, draft
     aux = draft.draft.num_aux_hidden_states or 3
     latent = g.q_lora_rank + g.kv_lora_rank + g.qk_rope_head_dim
     normed = g.q_lora_rank + g.kv_lora_rank
-    width = (target_hidden * (1 + aux) + hidden * 3 + 2 * hidden + latent + normed
+    width = (target_hidden * (1 + aux) + hidden * 4 + 2 * hidden + latent + normed
              + heads * (g.qk_nope_head_dim + g.qk_rope_head_dim) + heads * g.v_head_dim)
     rows = mla_chunked_prefill_rows(max_model_len, seqs, block_size, dcp)
     return tokens * width * b, rows * heads * (g.qk_nope_head_dim + g.v_head_dim) * b
