@@ -316,6 +316,15 @@ def test_the_mla_eagle3_drafters_warmup_step_is_where_the_plan_says_vllm_runs_ou
     assert "EAGLE3 drafter" not in next(e for e in dspark.estimates if e.name == "warmup_mla_decode").basis
 
 
+def _predicted_with_outcomes(accuracy, *runs: tuple[str, str]) -> tuple[dict, dict]:
+    """Each recorded run (folder, name) as the plan predicts it now, and its (plan's verdict, vLLM's) pair."""
+    from kimi_k3_serve.rehearsal.compare import measured_verdict
+
+    predicted = {name: accuracy.predict_run(FIXTURES / folder / name) for folder, name in runs}
+    outcomes = {name: (report.verdict, measured_verdict(reading)) for name, (report, reading) in predicted.items()}
+    return predicted, outcomes
+
+
 def test_round_36s_proposals_started_and_just_above_them_the_plan_says_at_risk(accuracy) -> None:
     """Rounds 36 and 37 (ranks-round30-h100, validation, H100), round 33's shapes at the proposals of the plan with the
     MLA EAGLE3 drafter's warmup step, then just above them:
@@ -325,14 +334,12 @@ def test_round_36s_proposals_started_and_just_above_them_the_plan_says_at_risk(a
       drafter's step (5.38 GiB above what warmup began with, to 0.01 GiB). At 0.98 the plan was 0.14 GiB short
       through the prefill term, added beside the drafter's step: within that term's measured band, "at risk"."""
     from kimi_k3_serve.planning.capture import WARMUP_PREFILL_GATHER_BAND
-    from kimi_k3_serve.rehearsal.compare import measured_verdict
 
-    runs = {name: accuracy.predict_run(FIXTURES / folder / name) for folder, name in (
-        ("2026-12-06-round36", "k4-tp1-b4096-s512-nodraft-u086-h100"),
+    runs, outcomes = _predicted_with_outcomes(
+        accuracy, ("2026-12-06-round36", "k4-tp1-b4096-s512-nodraft-u086-h100"),
         ("2026-12-06-round36", "k4-tp1-b8192-s128-eagle3mla-u0975-h100"),
         ("2026-12-06-round36", "k4-tp1-b8192-s128-eagle3mla-u098-h100"),
-        ("2026-12-06-round37", "k4-tp1-b4096-s512-nodraft-u087-h100"))}
-    outcomes = {name: (report.verdict, measured_verdict(reading)) for name, (report, reading) in runs.items()}
+        ("2026-12-06-round37", "k4-tp1-b4096-s512-nodraft-u087-h100"))
     assert outcomes == {"k4-tp1-b4096-s512-nodraft-u086-h100": ("fits", "fits"),
                         "k4-tp1-b8192-s128-eagle3mla-u0975-h100": ("fits", "fits"),
                         "k4-tp1-b8192-s128-eagle3mla-u098-h100": ("at_risk", "fits"),
@@ -370,14 +377,12 @@ def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accur
         DRAFT_STEP_RESERVE_FRACTION_LOW,
         PREFILL_RESERVE_FRACTION_LOW,
     )
-    from kimi_k3_serve.rehearsal.compare import measured_verdict
 
-    runs = {name: accuracy.predict_run(FIXTURES / folder / name) for folder, name in (
-        ("2026-12-06-round39", "k4-tp1-b16384-s128-eagle3mla-u0915-h100"),
+    runs, outcomes = _predicted_with_outcomes(
+        accuracy, ("2026-12-06-round39", "k4-tp1-b16384-s128-eagle3mla-u0915-h100"),
         ("2026-12-06-round39", "k4-tp1-b4096-s128-eagle3mla-u097-h100"),
         ("2026-12-06-round40", "k4-tp1-b12288-s64-nodraft-u0985-h100"),
-        ("2026-12-06-round40", "k4-tp1-b2048-s256-dspark3-u0945-h100"))}
-    outcomes = {name: (report.verdict, measured_verdict(reading)) for name, (report, reading) in runs.items()}
+        ("2026-12-06-round40", "k4-tp1-b2048-s256-dspark3-u0945-h100"))
     assert outcomes == {"k4-tp1-b16384-s128-eagle3mla-u0915-h100": ("at_risk", "oom_at_warmup"),
                         "k4-tp1-b4096-s128-eagle3mla-u097-h100": ("fits", "fits"),
                         "k4-tp1-b12288-s64-nodraft-u0985-h100": ("at_risk", "oom_at_warmup"),

@@ -1342,9 +1342,9 @@ def _dense_mlp_warmup_peak(model: ModelInventory, layout: Layout, start: int, en
     workspace = _moe_workspace_held(model, layout, start, end, moe_tokens)
     forward = mnbt * per_token
     basis = (f"kernel warmup's forward at max_num_batched_tokens={mnbt} holds {(forward + workspace) / GiB:.2f} GiB at "
-             f"the dense MLP of layer 0, with the MoE workspace held from the profile ({per_token:,} B per token, exact "
-             "shapes, vLLM models/kimi_k3/nvidia/model.py KimiMLP.forward); no allocator reserve (round 40's went "
-             "through with 0.08 times its largest request left)")
+             f"the dense MLP of layer 0, with the MoE workspace held from the profile ({per_token:,} B per token, "
+             "exact shapes, vLLM models/kimi_k3/nvidia/model.py KimiMLP.forward); no allocator reserve (round 40's "
+             "went through with 0.08 times its largest request left)")
     return MlaWarmupPeak(forward + workspace, mnbt * 2 * inter * b, forward, basis, 0.0, 0.0)
 
 
