@@ -367,7 +367,7 @@ def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accur
     plan shipped with it. Two ran out of memory in FlashInfer's autotune where that plan said "fits", and the model
     was changed on them; the plan now says "at risk" for both, and the two that started still fit at their proposal:
     - the MLA EAGLE3 at 16,384 tokens over 128 (0.915): the drafter's 3.02 GiB accumulator, with 1.16 times it left in
-      the plan's terms (round 33 failed at 1.01; round 36 started at 1.53 and 1.79, round 39 at 4,096 tokens at 3.51):
+      the plan's terms (round 33 failed at 1.01; round 36 started at 1.53 and 1.79, round 39 at 4,096 tokens at 3.96):
       the drafter's reserve is now 1.15 to 1.5 of its request, and the plan proposes no utilization for this shape;
     - no draft at 12,288 over 64 (0.985): warmup's MLA takes the prefill path (192-token requests) and ran out of
       memory on the concatenated key with 0.97 times the largest request left: that path's reserve is 0.95 to 1.0;

@@ -1585,8 +1585,9 @@ def eagle3_mla_profile_bytes(model: ModelInventory, draft: ModelInventory, draft
     embedding and its normed copy, ``cat([embeds, hidden])`` (2 x hidden), ``fused_qkv_a_proj``'s output
     (q_lora + kv_lora + rope) and the normed q/kv latents, ``q`` (local heads x (nope + rope)) and the attention
     output (local heads x v). The target's forward temporaries are freed by then; the MoE workspace is not (the
-    caller adds it). 4.75 GiB at full width (96 heads, 70,656 rows), 1.48 GiB on a TP8 rank (12 heads). The buffer
-    was found on round 39's H100 runs: the profile was 0.05, 0.12 and 0.24 GiB over the plan at 4,096, 8,192 and
+    caller adds it). 4.75 GiB at full width (96 heads, 70,656 rows), 1.48 GiB on a TP8 rank (12 heads), each beside
+    the buffer (0.11 GiB at 8,192 tokens), which is held before the step begins. The buffer was found on round 39's
+    H100 runs: the profile was 0.05, 0.12 and 0.24 GiB over the plan at 4,096, 8,192 and
     16,384 tokens, 14,362 B a token (its 14,336 and the runner's two input buffers), from the plugin's load peak."""
     g = draft.draft.generic_mla
     b = DTYPE_BITS.get(draft.dtype, 16) // 8

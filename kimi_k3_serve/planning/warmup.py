@@ -58,8 +58,9 @@ PREFILL_RESERVE_FRACTION = 1.0
 over 64 requests, no draft, at the proposal 0.985 of the plan with 0.5 here, scored out of sample): the forward held
 what the plan says at the MLA to 0.01 GiB, and vLLM ran out of memory there asking for the concatenated key (0.42
 GiB) with, in the plan's own terms, 0.97 times the largest request left beyond the rest of the need. Before the MLA,
-a 1.55 GiB request no term names yet needed the allocator's cache released, and left its blocks split. Read on that
-one failed run: no run has started near it, so the band below it is only the failure's own."""
+layer 0's dense MLP asked for 1.55 GiB (``memory._dense_mlp_warmup_peak``), which needed the allocator's cache
+released and left its blocks split. Read on that one failed run: no run has started near it, so the band below it is
+only the failure's own."""
 PREFILL_RESERVE_FRACTION_LOW = 0.95
 """The low end of the prefill path's band: just below the room vLLM ran out of memory with (0.97, round 40)."""
 
@@ -71,7 +72,7 @@ right after the target's forward has freed its temporaries, and carves its own t
 Measured in the plan's own terms, as the room left beyond the rest of the step's need over the request (H100, all at
 128 requests): vLLM ran out of memory at 1.01 (round 33, 8,192 tokens, a 1.51 GiB request) and at 1.16 (round 39,
 16,384 tokens, 3.02 GiB: the proposal of the plan with 1.05 here, scored out of sample), and started at 1.53 and 1.79
-(round 36, 8,192) and 3.51 (round 39, 4,096). "Fits" and the proposal take this, just below the least room vLLM
+(round 36, 8,192) and 3.96 (round 39, 4,096). "Fits" and the proposal take this, just below the least room vLLM
 started with; down to ``DRAFT_STEP_RESERVE_FRACTION_LOW`` the verdict is "at risk"."""
 DRAFT_STEP_RESERVE_FRACTION_LOW = 1.15
 """The low end of the drafter reserve's band: just below the most room vLLM ran out of memory with (1.16, round 39)."""
