@@ -1338,7 +1338,8 @@ def _dense_mlp_warmup_peak(model: ModelInventory, layout: Layout, start: int, en
         return MlaWarmupPeak(0, 0, 0, "", 0.0, 0.0)
     b = DTYPE_BITS[model.dtype] // 8
     inter = max(w.intermediate_size // layout.tp, 1)
-    per_token = b * (w.hidden_size * (cdiv(end, model.attn_res_block_size) + 4) + 3 * inter)
+    # down_proj's output beside the residual side, and gate_up's and the activation's outputs.
+    per_token = b * (w.hidden_size * (_residual_side_rows(model, end) + 1) + 3 * inter)
     workspace = _moe_workspace_held(model, layout, start, end, moe_tokens)
     forward = mnbt * per_token
     basis = (f"kernel warmup's forward at max_num_batched_tokens={mnbt} holds {(forward + workspace) / GiB:.2f} GiB at "
@@ -1470,7 +1471,7 @@ def _mla_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int
     query_per_request = (num_spec if draft.family == "dspark" else 1) if draft is not None else 0
     layer = mla_warmup(mnbt, seqs, query_per_request, mla, heads, b, cc)
     extra, batch = layer.extra_bytes, layer.batch
-    residual_side = cdiv(end, model.attn_res_block_size) + 3
+    residual_side = _residual_side_rows(model, end)
     per_token = b * model.hidden_size * residual_side + mla_base_bytes_per_token(mla, heads, b)
     moe_before = any(model.layers[i].mlp == "moe" for i in range(start, last))
     workspace = moe_held if moe_before else 0
@@ -1621,6 +1622,13 @@ def _forward_activation(model: ModelInventory, layout: Layout, tokens: int, star
     return hidden + max(dense, moe)
 
 
+def _residual_side_rows(model: ModelInventory, end: int) -> int:
+    """Hidden-width rows per token that a Kimi-K3 layer holds on its residual side, from vLLM 0.32's
+    models/kimi_k3/nvidia/model.py: ``block_residual`` (one row per block from global layer 0 to ``end``, allocated
+    once), ``prefix_sum``, the previous layer's output (still bound in the caller's loop) and the layer's input."""
+    return cdiv(end, model.attn_res_block_size) + 3
+
+
 def kimi_forward_peak_bytes_per_token(model: ModelInventory, start: int, end: int) -> int:
     """Bytes per token held at the peak of a Kimi-K3 stage's forward in vLLM 0.32's profile run, besides the MoE
     workspace (counted apart): the add of the shared and routed experts' outputs (``MoERunner.forward``,
@@ -1640,7 +1648,7 @@ def kimi_forward_peak_bytes_per_token(model: ModelInventory, start: int, end: in
     b = DTYPE_BITS[model.dtype] // 8
     block = model.attn_res_block_size
     opens_block_in_moe = any(i % block == 0 and model.layers[i].mlp == "moe" for i in range(start, end))
-    residual_side = cdiv(end, block) + 3 + opens_block_in_moe
+    residual_side = _residual_side_rows(model, end) + opens_block_in_moe
     return b * (w.hidden_size * (residual_side + 3) + 2 * w.moe_hidden_size) + 4 * w.num_experts
 
 
@@ -1658,7 +1666,7 @@ def kda_forward_peak_bytes_per_token(model: ModelInventory, layout: Layout, star
     b = DTYPE_BITS[model.dtype] // 8
     heads = max(1, kda.num_heads // layout.tp)
     projection = heads * kda.head_dim
-    residual_side = cdiv(end, model.attn_res_block_size) + 3
+    residual_side = _residual_side_rows(model, end)
     return b * (model.widths.hidden_size * (residual_side + 1) + 6 * projection + kda.head_dim + heads)
 
 
