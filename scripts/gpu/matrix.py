@@ -574,6 +574,14 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b16384-s128-eagle3mla-u090-h100", 4, tokens=16384, seqs=128, util=0.90, draft=EAGLE3_MLA,
              role="validation", expected_s=170),
     ],
+    # Defined in the thirty-ninth session, before it ran and before the DSpark step's logits were taken from vLLM's
+    # code (DSparkSpeculator._sample_sequential's 3 x requests x vocab beside base_logits): 3 speculative tokens at
+    # 512 requests, where that step sets the profile's peak and the two forms differ by about 0.12 GiB. Its KV pool
+    # scores the change out of sample; 0.90 is the plan's proposal before it.
+    "ranks-round34-h100": [
+        kimi("k4-tp1-b4096-s512-dspark3-u090-h100", 4, tokens=4096, seqs=512, util=0.90, draft=DSPARK_3,
+             role="validation", expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
