@@ -582,6 +582,14 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b4096-s512-dspark3-u090-h100", 4, tokens=4096, seqs=512, util=0.90, draft=DSPARK_3,
              role="validation", expected_s=150),
     ],
+    # Round 30's failed shape and utilization again with PyTorch's expandable segments (thirty-ninth session, before
+    # it ran): its capture ran out of memory with 2.27 GiB cached in segments still in use and 2.16 GiB free for a
+    # 2.25 GiB request. Whether the setting lets it start, and what it does to the profile and warmup, says whether
+    # the plan's allocator reserves should depend on it; the plan does not read the setting today.
+    "ranks-round35-h100": [
+        kimi("k4-tp1-b6144-s384-nodraft-u096-expseg-h100", 4, tokens=6144, seqs=384, util=0.96, draft=None,
+             role="validation", expected_s=150, extra=("--env", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
