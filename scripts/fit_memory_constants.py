@@ -13,7 +13,8 @@ constants, so a group is fitted by non-negative least squares (relative errors) 
 - ``profile``: the profile's memory besides the KV cache, weights and CUDA graphs: the forward's activations, the
   weights' allocator slack and, at TP2, the fused all-reduce's residuals (all from the shapes), ``NON_TORCH_TP1`` on
   one GPU, the dummy sampler's ``SAMPLER_FP32_VOCAB_COPIES`` fp32 ``max_num_seqs x vocab`` tensors and, with DSpark,
-  ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the dummy batch's speculative positions,
+  ``DSPARK_PROFILE_LOGITS_COPIES`` bf16 draft-logit tensors of the dummy batch's speculative positions (beside its
+  Markov sampling's tensors, ``memory.dspark_markov_step_bytes``, from vLLM's shapes: not fitted),
   ``DRAFT_HIDDEN_COPIES`` hidden states into the draft's step and ``DSPARK_KDA_PEAK_HIDDEN_COPIES`` at a KDA layer's
   peak (fitted factors). Fit runs: ``PROFILE_FIT_RUNS``.
 

@@ -98,15 +98,21 @@ weights' allocator slack was counted apart, twenty-fifth session; 1.09 until the
 hidden states, twenty-first session; 0.92 while DSpark's draft logits were added to the forward's peak; until
 2026-12-02 it was added to the forward's peak as 2.54 copies, which the KDA layer's own peak,
 ``kda_forward_peak_bytes_per_token``, now explains on the full-width slices)."""
-DSPARK_PROFILE_LOGITS_COPIES = 1.74
+DSPARK_PROFILE_LOGITS_COPIES = 1.22
 """In vLLM 0.32's profile run the DSpark speculator's ``propose`` runs on the dummy batch (v1/worker/gpu/
 model_runner.py ``_dummy_run``; spec_decode/dflash/speculator.py, the ``skip_attn_for_dummy_run`` path, then
 ``_generate_draft``), and DSpark's ``_sample_sequential`` takes the draft logits of every request's speculative
-positions at once (``compute_draft_logits`` over ``num_reqs x num_speculative_steps`` rows). A factor of those bf16
-``rows x vocab`` tensors, fitted with ``NON_TORCH_TP1`` and ``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS``.
+positions at once (``base_logits = compute_draft_logits(sample_hidden)``, ``num_reqs x num_speculative_steps`` rows x
+vocab, bf16: one copy by the code). A fitted factor of those bf16 ``rows x vocab`` tensors, with ``NON_TORCH_TP1`` and
+``SAMPLER_FP32_VOCAB_COPIES`` on ``PROFILE_FIT_RUNS``; what the Markov loop holds beside them (three ``requests x
+vocab`` bf16 tensors and the sampled rows' hidden states) is counted exactly, ``dspark_markov_step_bytes``.
 ``propose`` runs after the target's forward has returned, so these logits peak beside what the forward leaves held
-(the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's (2026-12-03;
-1.18 copies while they were added on top, which put stage 1's rank at 16,384 tokens and 256 sequences 0.46 GiB over)."""
+(the MoE workspace and the hidden states), not on top of its peak: the larger of the two is the profile's. 1.74 until
+the Markov loop's tensors were taken from vLLM's code (thirty-ninth session, 2026-12-06; the group's other constants
+refitted unchanged): fitted on 7 speculative tokens, where they are 0.43 + 0.09 copies, the factor fell 0.15 GiB
+short at 3 (2,048 tokens over 256 sequences on an H100, round 40: profile -8.2 %, KV pool +1.9 %; -0.7 % and +0.6 %
+since); 1.18 copies while they were added on top of the forward's peak (2026-12-03), which put stage 1's rank at
+16,384 tokens and 256 sequences 0.46 GiB over."""
 DRAFT_HIDDEN_COPIES = {"dspark": 5.39, "default": 6}
 """Copies of ``max_num_batched_tokens x the draft's hidden size`` (model dtype) that a draft's step adds to the last
 stage's profile: held from the target's forward into the draft's step (under both peaks). DSpark's is fitted with
@@ -1230,12 +1236,16 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             # DSpark's propose runs once the target's forward has returned and its temporaries are freed: its draft
             # logits peak beside what is still held (the MoE workspace, never freed, and the target's hidden states),
             # not on top of the forward's own peak. The larger of the two is the profile's.
-            rows = dspark_profile_logit_rows(mnbt, seqs, num_spec)
+            requests = dspark_profile_requests(mnbt, seqs, num_spec)
+            rows = requests * num_spec
             logits = int(rows * draft.vocab_size * 2 * DSPARK_PROFILE_LOGITS_COPIES)
-            step = _moe_workspace_held(model, layout, start, end, mnbt * gathered) + hidden + logits
+            markov = dspark_markov_step_bytes(requests, num_spec, draft.vocab_size, draft.hidden_size)
+            step = _moe_workspace_held(model, layout, start, end, mnbt * gathered) + hidden + logits + markov
             basis += (f"; or DSpark's step, if larger ({step / GiB:.2f} GiB): the MoE workspace and the hidden states "
                       f"held + its draft logits, {rows:,} rows x vocab {draft.vocab_size} "
-                      f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted)")
+                      f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted) + its Markov sampling's "
+                      f"{markov / MiB:,.0f} MiB ({min(num_spec + 1, 3)} bf16 tensors of {requests:,} requests x vocab "
+                      f"and the sampled rows' hidden states, exact shapes, vLLM dspark/speculator.py)")
             peak = max(peak, step)
         if _is_mla_eagle3(draft):
             step_held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len,
@@ -1545,11 +1555,31 @@ def _moe_workspace_held(model: ModelInventory, layout: Layout, start: int, end: 
     return moe_buffer_bytes(moe_tokens, w.experts_per_token, inter, w.moe_hidden_size)
 
 
+def dspark_profile_requests(mnbt: int, seqs: int, num_spec: int) -> int:
+    """Requests of vLLM 0.32's profile-run dummy batch with DSpark: ``min(max_num_seqs, max_num_batched_tokens //
+    num_query_per_req)`` (``_dummy_run``; DSpark samples from the anchor, so a request's query is its ``num_spec``
+    positions: ``DSparkSpeculator.__init__``'s ``num_query_per_req``)."""
+    return min(seqs, mnbt // max(num_spec, 1))
+
+
 def dspark_profile_logit_rows(mnbt: int, seqs: int, num_spec: int) -> int:
-    """Rows of DSpark's draft logits in vLLM 0.32's profile run: the dummy batch's requests, ``min(max_num_seqs,
-    max_num_batched_tokens // num_query_per_req)`` (``_dummy_run``; DSpark samples from the anchor, so a request's
-    query is its ``num_spec`` positions), each with ``num_spec`` positions."""
-    return min(seqs, mnbt // max(num_spec, 1)) * num_spec
+    """Rows of DSpark's draft logits in vLLM 0.32's profile run: the dummy batch's requests
+    (``dspark_profile_requests``), each with ``num_spec`` positions."""
+    return dspark_profile_requests(mnbt, seqs, num_spec) * num_spec
+
+
+def dspark_markov_step_bytes(requests: int, num_spec: int, vocab: int, draft_hidden: int) -> int:
+    """What DSpark's sequential Markov sampling holds beside its base draft logits (``DSPARK_PROFILE_LOGITS_COPIES``),
+    from vLLM 0.32's shapes (v1/worker/gpu/spec_decode/dspark/speculator.py ``DSparkSpeculator._sample_sequential``,
+    greedy, the default ``draft_sample_method``): the draft model's output ``head_hidden`` and its gathered
+    ``sample_hidden`` (``requests x num_spec`` rows x the draft's hidden size each, bf16), and, in the loop over the
+    positions, while step i's ``markov_bias`` (model_executor/models/qwen3_dspark.py ``DSparkMarkovHead.bias``:
+    ``requests x vocab``, bf16, through its own ``disable_tp`` lm-head, so the whole vocab on every rank) and
+    ``logits_i = base_logits[:, i] + bias`` are made, step i-1's bias and logits are still bound: three ``requests x
+    vocab`` bf16 tensors from the second position on (two with one position). No fp32 vocab-wide tensor: the logits
+    processor keeps the model dtype (``head_dtype``'s default) and greedy sampling is an ``argmax``."""
+    rows = requests * num_spec
+    return min(num_spec + 1, 3) * requests * vocab * 2 + 2 * rows * draft_hidden * 2
 
 
 MLA_CHUNKED_PREFILL_MAX_ROWS = 64 * 1024
