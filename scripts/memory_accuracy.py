@@ -121,11 +121,12 @@ READ_BEFORE_A_CHANGE = {
                                              "and what warmup began with for it were chosen on this run (2026-12-06)",
     "k4-tp1-b8192-s128-eagle3mla-u098-h100": "called \"does not fit\" 0.005 above the proposal (0.14 GiB short "
                                              "through the warmup prefill term, added beside the drafter's step), "
-                                             "where vLLM started: that term's band (planning/capture.py "
-                                             "WARMUP_PREFILL_GATHER_BAND) was chosen on this run (2026-12-06)",
+                                             "where vLLM started: that term's band was chosen on this run; it "
+                                             "has been weighed at its own moment since round 41 (2026-12-06)",
     "k4-tp1-b4096-s512-nodraft-u087-h100": "called \"does not fit\" 0.01 above the proposal (0.22 GiB short in "
                                            "warmup's prefill), and vLLM ran out of memory there; the same band was "
-                                           "bounded by it (2026-12-06)",
+                                           "bounded by it, and the prefill step at its own moment was checked "
+                                           "against it (2026-12-06)",
     "k4-tp1-b16384-s128-eagle3mla-u0915-h100": "called \"fits\" at the utilization the plan proposed (0.915), where "
                                                "vLLM ran out of memory in FlashInfer's autotune, asking for the MLA "
                                                "EAGLE3 drafter's 3.02 GiB accumulator with 1.16 times it left in the "
@@ -136,6 +137,14 @@ READ_BEFORE_A_CHANGE = {
                                             "path (the concatenated key, 0.42 GiB): the prefill path's reserve "
                                             "(planning/warmup.py PREFILL_RESERVE_FRACTION) was read on it "
                                             "(2026-12-06)",
+    "k4-tp1-b2048-s256-dspark3-u0945-h100": "KV pool +1.88 % (profile 1.62 / 1.77 GiB): DSpark's Markov sampling in "
+                                            "the profile (planning/memory.py dspark_markov_step_bytes) was read from "
+                                            "vLLM's code after this run, and DSPARK_PROFILE_LOGITS_COPIES refitted "
+                                            "(2026-12-06)",
+    "k6-tp1-b8192-s256-dspark3-u0965": "called \"does not fit\" (1.48 GiB short, kernel warmup's prefill step "
+                                       "added beside the other after-KV terms), where vLLM started: that step was "
+                                       "weighed at its own moment after this run (planning/memory.py "
+                                       "_warmup_prefill_moments, 2026-12-06)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

@@ -340,9 +340,6 @@ VERDICT_MISSES: dict[str, str] = {}
 """Validation runs the plan called "fits" where vLLM failed: listed, so that none is added unseen."""
 
 REFUSED_WHERE_SERVED = {
-    "k6-tp1-b8192-s256-dspark3-u0965": "1.48 GiB short, of which kernel warmup's prefill step is 1.49 GiB, added "
-                                       "beside the other after-KV terms; vLLM started, warmup's prefill never above "
-                                       "the autotune forward's peak (round 41)",
     "r44-s1-dspark-b8192-s512-u097": "0.57 GiB short, 0.005 above the proposal; vLLM started after FlashInfer's "
                                      "autotuner caught an out-of-memory (1.09 GiB asked for, 0.68 GiB free: 0.41 "
                                      "GiB short), so on a fallback tactic (round 42)",
@@ -364,18 +361,17 @@ def test_verdict_right_on_every_run_that_ended(runs) -> None:
                for name in REFUSED_WHERE_SERVED)
     # Warmup shortfalls within the allocator reserve's band: round 28's two DSpark runs 0.005 above the proposal
     # (started) and round 26's no-draft run 0.005 above it (ran out of memory); within the capture reserve's band,
-    # round 35's 384-sequence run at 0.93 (started); and round 31's 3 speculative tokens at 0.93, which the warmup
-    # prefill's gathered states (planning/capture.py, added beside the other after-KV terms) put 0.09 GiB short; and,
-    # within that term's own band, round 36's MLA EAGLE3 at 0.98 (started) and round 37's no draft at 0.87 (ran out
-    # of memory in warmup's prefill, 0.22 GiB short: within the two bands together); and the two failures of rounds 39
-    # and 40 the drafter reserve's band and the MLA prefill path's reserve were measured with (at the low end of each).
+    # round 35's 384-sequence run at 0.93 (started), and kernel warmup's prefill step judged with it at its own moment
+    # (memory._warmup_prefill_moments): round 37's no draft at 0.87 (ran out of memory there, 1.54 times the gathered
+    # states left) and round 36's at 0.86 (started, 2.04 times); and the two failures of rounds 39 and 40 the drafter
+    # reserve's band and the MLA prefill path's reserve were measured with (at the low end of each).
     assert sorted(r.name for r in ended if r.predicted_verdict == "at_risk") == [
         "k4-tp1-b12288-s64-nodraft-u0985-h100", "k4-tp1-b16384-s128-eagle3mla-u0915-h100",
-        "k4-tp1-b4096-s512-nodraft-u087-h100", "k4-tp1-b6144-s384-nodraft-u093-h100",
-        "k4-tp1-b8192-s128-dspark-u095-h100", "k4-tp1-b8192-s128-eagle3mla-u098-h100",
+        "k4-tp1-b4096-s512-nodraft-u086-h100", "k4-tp1-b4096-s512-nodraft-u087-h100",
+        "k4-tp1-b6144-s384-nodraft-u093-h100",
+        "k4-tp1-b8192-s128-dspark-u095-h100",
         "k4-tp1-b8192-s128-nodraft-u095-h100",
         "k4-tp1-b8192-s256-dspark-u088-h100", "k4-tp1-b8192-s256-dspark-u091-h100",
-        "k4-tp1-b8192-s256-dspark3-u093-h100",
         "k7-tp1-b2048-s128-dspark-u081", "k8-tp1-b2048-s128-dspark",
         "k8-tp1-b4096-s48-dspark", "k8-tp1-b4096-s64-dspark", "k8-tp1-b8192-s512-nodraft",
         "k8-tp1-b8192-s512-nodraft-samples"]

@@ -15,7 +15,10 @@ at its first FULL sample), so nothing inside the budget keeps room for it.
 Kernel warmup's prefill step (v1/worker/gpu/warmup.py ``_warmup_kernels``) gathers the same way, and where FlashKDA's
 buffers are first asked for there, the gathered states are held beside that request (round 33, H100: a 4-layer slice
 with no draft at 512 sequences asked for 7.04 GiB of FlashKDA buffers with 512 states, 3.0 GiB, gathered and 6.64 GiB
-free, at the plan's proposal). Pure.
+free, at the plan's proposal). The plan weighs that step at its own moment, after FlashInfer's autotune
+(planning/memory.py ``_warmup_prefill_moments``), its gathered states with the capture's reserve
+(``CAPTURE_RESERVE_FRACTION``): the next KDA layer gathers into blocks the last one's left, as at the capture (round 37,
+H100: out of memory on a later KDA layer's 2.75 GiB gather with 2.78 GiB cached). Pure.
 """
 
 from __future__ import annotations
@@ -29,19 +32,13 @@ runs read before this term was chosen (2026-12-06): the capture ran out of memor
 (384 sequences, 2.25 GiB, round 30) and passed with 2.89 (256 sequences, 1.50 GiB, round 27). "Fits" and the
 proposed utilization take the passing run's, rounded down; from there down to ``CAPTURE_RESERVE_FRACTION_LOW`` the
 verdict is "at risk". Warmup's own largest request needs far less (``warmup.ALLOCATOR_RESERVE_FRACTION``): it comes
-before warmup's blocks are cached."""
+before warmup's blocks are cached. Kernel warmup's prefill step, whose KDA layers gather the same way after the
+autotune's forward has cached its blocks, is judged with it too (planning/memory.py ``_warmup_prefill_moments``):
+there, in the same terms, vLLM ran out of memory with 1.54 times the states left (round 37, H100) and started with
+2.04 (round 36), within this band."""
 CAPTURE_RESERVE_FRACTION_LOW = 1.1
 """The low end of the capture reserve's band: the failed capture had 1.09 times its request left; below 1.1 the
 verdict is "does not fit"."""
-
-
-WARMUP_PREFILL_GATHER_BAND = int(0.15 * (1 << 30))
-"""How far the warmup prefill term (gathered states and their forward, ``warmup_prefill_requests``) may overrun the
-room after the KV cache with vLLM starting anyway: the plan adds it beside its other after-KV terms, not at its own
-moment in warmup, and it was that much over where vLLM started (H100: 0.02 and 0.09 GiB short with DSpark's 3
-speculative tokens, rounds 29 and 31; 0.14 GiB with the MLA EAGLE3 beside its drafter's step, round 36), while with
-no draft it was 0.22 GiB short where vLLM ran out of memory in that prefill (round 37). Within it the verdict is
-"at risk"; beyond it, "does not fit"."""
 
 
 def capture_prefill_requests(max_num_seqs: int, decode_query_len: int, largest_capture: int) -> int:

@@ -42,7 +42,6 @@ from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.capture import (
     CAPTURE_RESERVE_FRACTION,
     CAPTURE_RESERVE_FRACTION_LOW,
-    WARMUP_PREFILL_GATHER_BAND,
     capture_prefill_requests,
     gathered_states_bytes,
     warmup_prefill_requests,
@@ -522,7 +521,7 @@ def estimate_memory(
     stage_costs: list[StageCosts] = []
     warmup_forwards: list[int] = []
     own_moments: list[tuple[int, int]] = []  # per stage: an after-KV need at its own moment, and its band
-    beside_flashkda: list[tuple[int, int]] = []  # per stage: (bytes a warmup prefill request holds, per token)
+    beside_flashkda: list[_WarmupPrefill] = []  # per stage: what kernel warmup's prefill step holds, and beside what
     estimates: list[Estimate] = []
     tp_nodes = {d.node_id for d in devs[:layout.tp] if d.node_id}
     spans_nodes = len(tp_nodes) > 1
@@ -574,8 +573,11 @@ def estimate_memory(
             cg_basis += f" + {shared.after_kv_bytes / MiB:,.0f} MiB of FlashKDA's buffers, grown while it is taken"
         unseen = shared.before_kv_bytes if in_graphs else shared.unseen_bytes
         after_kv += unseen
-        beside_flashkda.append(_warmup_prefill_state(model, layout, engine, start, end)
-                               if shared.after_kv_bytes and not in_graphs and not engine.enforce_eager else (0, 0))
+        prefill_state = (_warmup_prefill_state(model, layout, engine, start, end)
+                         if shared.after_kv_bytes and not in_graphs and not engine.enforce_eager else (0, 0))
+        # FlashKDA first asks for its buffers in warmup's prefill step, after the autotune's forward
+        # (_warmup_prefill_moments): its growth is held from that moment on, not at the autotune's.
+        growth = shared.after_kv_bytes if prefill_state[0] else 0
         if unseen or in_graphs:
             estimates.append(Estimate("workspace:shared_unseen", s, unseen, 0, shared.describe()
                                       + ("; FlashKDA's growth is inside the CUDA-graph estimate" if in_graphs else "")))
@@ -617,10 +619,10 @@ def estimate_memory(
         # CUDA-graph estimate (less the workspace its profiling grew and kept); that, what was allocated since the
         # profile and the allocator's reserve must fit outside the budget.
         warmup = warmup_band = own_moment = own_moment_band = 0
+        graphs_free = max(0, cg - cg_kept)
+        since = persistent_after_profile_bytes(mnbt, model.hidden_size, DTYPE_BITS[model.dtype] // 8,
+                                               _draft_kind(draft), s == layout.pp - 1)
         if warmup_peak.bytes and not engine.enforce_eager:
-            graphs_free = max(0, cg - cg_kept)
-            since = persistent_after_profile_bytes(mnbt, model.hidden_size, DTYPE_BITS[model.dtype] // 8,
-                                                   _draft_kind(draft), s == layout.pp - 1)
             warmup, warmup_band, over, reserve = _warmup_outside(warmup_peak, act, graphs_free, since)
             measured = (f"{warmup_peak.reserve_fraction_low:.0%} to {warmup_peak.reserve_fraction:.0%} measured"
                         if warmup_peak.reserve_fraction_low < warmup_peak.reserve_fraction
@@ -634,10 +636,9 @@ def estimate_memory(
                                       f"({reserve / GiB:.2f} GiB; {measured}): {warmup / GiB:.2f} GiB outside the "
                                       "budget"))
             if warmup_peak.target is not None:
-                # The drafter's step is its own moment of the autotune's dummy run: the target's forward, freed
-                # before it, is what warmup's later prefill (its gathered states, added by _held_beside_flashkda)
-                # and the capture are weighed beside.
-                own_moment, own_moment_band = after_kv + warmup, warmup_band
+                # The drafter's step is its own moment of the autotune's dummy run (before FlashKDA's growth):
+                # the target's forward, freed before it, is what the capture is weighed beside.
+                own_moment, own_moment_band = after_kv - growth + warmup, warmup_band
                 warmup, warmup_band, _, _ = _warmup_outside(warmup_peak.target, act, graphs_free, since)
             capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc,
                                                     held=warmup_peak.bytes - warmup_peak.forward_bytes, act=act,
@@ -648,9 +649,12 @@ def estimate_memory(
             warmup = max(warmup, capture)
             warmup_band = warmup - beyond
         warmup_forwards.append(warmup_peak.forward_bytes if not engine.enforce_eager else 0)
-        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, after_kv + warmup,
-                                      warmup_band))
+        # Without FlashKDA's growth: the autotune's moment comes before it, and where it grows in warmup the capture
+        # gathers nothing (both follow capture_prefill_requests), so the prefill's moment is the one that holds it.
+        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws,
+                                      after_kv - growth + warmup, warmup_band))
         own_moments.append((own_moment, own_moment_band))
+        beside_flashkda.append(_WarmupPrefill(*prefill_state, after_kv, growth, act + graphs_free - since))
 
     # Per rank: budget and KV pool; identical (stage, device) pairs computed once.
     rank_stage = [layout.stage_of_rank(r) for r in range(world)]
@@ -673,10 +677,12 @@ def estimate_memory(
                               max_model_len=engine.max_model_len, dcp=layout.dcp)
     state_groups = [g for g in grouping.groups if isinstance(g.spec, StatePageSpec)]
     state_blocks = sum(g.blocks_per_request(engine.max_model_len) for g in state_groups)
-    if any(per_request for per_request, _ in beside_flashkda):
-        stage_costs = _held_beside_flashkda(stage_costs, beside_flashkda, grouping, engine, mnbt, seqs, num_spec,
-                                            block_size, pool.num_blocks, estimates)
-    stage_costs = [_with_own_moment(c, *own) for c, own in zip(stage_costs, own_moments)]
+    prefill_moments = [(0, 0)] * len(stage_costs)
+    if any(p.per_request_bytes for p in beside_flashkda):
+        prefill_moments = _warmup_prefill_moments(beside_flashkda, grouping, engine, mnbt, seqs, num_spec, block_size,
+                                                  pool.num_blocks, estimates)
+    stage_costs = [_with_own_moment(_with_own_moment(c, *own), *prefill)
+                   for c, own, prefill in zip(stage_costs, own_moments, prefill_moments)]
     page = grouping.groups[0].page_of(0) if grouping.groups else 0
     ranks = []
     for r in range(world):
@@ -1405,32 +1411,79 @@ def _warmup_prefill_state(model: ModelInventory, layout: Layout, engine: EngineS
     return (per_request, kda_forward_peak_bytes_per_token(model, layout, start, end)) if per_request else (0, 0)
 
 
-def _held_beside_flashkda(stage_costs: list[StageCosts], beside: Sequence[tuple[int, int]], grouping: KvGrouping,
-                          engine: EngineSettings, mnbt: int, seqs: int, num_spec: int, block_size: int,
-                          num_blocks: int, estimates: list[Estimate]) -> list[StageCosts]:
-    """Each stage's costs with what kernel warmup's prefill step holds where FlashKDA first asks for its buffers
-    there (planning/capture.py): the gathered states of its requests, which the KV cache's blocks cap, and their
-    tokens' forward. vLLM frees the workspace's old buffer before the new one, which the growth term already takes."""
+@dataclass(frozen=True)
+class _WarmupPrefill:
+    """Kernel warmup's prefill step on a rank of one stage, where FlashKDA first asks for its buffers there, and
+    what the stage holds beside it (``_warmup_prefill_moments``)."""
+
+    per_request_bytes: int
+    """One request's gathered recurrent state; 0 where FlashKDA does not first ask for its buffers in that step."""
+    per_token_bytes: int
+    """The KDA layer's forward, a token."""
+    held_after_kv_bytes: int
+    """The stage's after-KV terms held for good by then, FlashKDA's growth of the shared workspace among them."""
+    growth_bytes: int
+    """FlashKDA's growth of the shared workspace (in ``held_after_kv_bytes``): first asked for in that step."""
+    room_bytes: int
+    """What the budget leaves free for a warmup step's transients: the profile's transient peak and the CUDA-graph
+    estimate not yet captured, less what was allocated since the profile."""
+
+
+def _warmup_prefill_moments(prefills: Sequence[_WarmupPrefill], grouping: KvGrouping, engine: EngineSettings,
+                            mnbt: int, seqs: int, num_spec: int, block_size: int, num_blocks: int,
+                            estimates: list[Estimate]) -> list[tuple[int, int]]:
+    """Each stage's need after the KV cache at kernel warmup's prefill step, its own moment, and its band (weighed
+    with ``_with_own_moment`` against the autotune's moment, which ``after_kv_bytes`` holds without FlashKDA's growth).
+
+    vLLM 0.32's order (v1/worker/gpu_worker.py ``compile_or_warm_up_model``): ``kernel_warmup`` runs FlashInfer's
+    autotune, ``_dummy_run(max_num_batched_tokens, is_profile=True)`` (model_executor/warmup/kernel_warmup.py
+    ``_run_flashinfer_autotune_dummy_runs``), whose metadata leaves the Mamba-spec groups out (v1/worker/gpu/
+    model_runner.py ``execute_model``: "Mamba layers take a cheap warmup path with no metadata"), so KDA's ``_forward``
+    returns before FlashKDA; then ``warmup_kernels`` (v1/worker/gpu/warmup.py ``_warmup_kernels``) runs its prefill
+    step, prompts of ``decode_query_len + 1`` tokens, where each KDA layer gathers one recurrent state a request
+    (models/kimi_k3/nvidia/kda.py ``_forward``, ``gather_initial_states``) and then asks the shared workspace for
+    FlashKDA's buffers (``get_simultaneous(*self._flashkda_buffer_specs)``). The workspace drops its old buffer and
+    releases the allocator's cache before it allocates the new one (v1/worker/workspace.py ``_ensure_workspace_size``),
+    and no view of lane 0 outlives the MoE call or TRITON_MLA's reservation: the growth is what is added. Logged
+    (``kda.py:1202:_forward``) after the autotune's peak: 3,078 -> 4,236 MB (round 41, H200), 1,216 -> 7,212 MB (round
+    37, H100). At that moment the rank holds what it holds for good, the growth with it, the gathered states and the
+    layer's forward; the next KDA layer gathers again into blocks the last one's states left and later requests split
+    (round 37 ran out of memory there, on a 2.75 GiB gather with 2.78 GiB cached), as the capture's gather does: the
+    transients are judged as ``_capture_gather`` judges them, in the same terms (``CAPTURE_RESERVE_FRACTION`` of the
+    gathered states beside them, less the room the budget leaves a warmup step). In those terms round 37 failed with
+    1.54 times the gathered states left and round 36 (0.86) started with 2.04, both in that reserve's band; round 33
+    failed with 0.43 and 0.53, and every run that started had 2.04 or more (round 41, H200: 5.67)."""
     query_len = 1 + num_spec
     decode_len = query_len + 1 + (5 if num_spec else 3) * query_len  # warmup's prompt and its decode steps
     reserved = sum(1 + g.spec.num_speculative_blocks if isinstance(g.spec, StatePageSpec)
                    else -(-min(decode_len + num_spec, engine.max_model_len) // max(block_size, 1))
                    for g in grouping.groups)
     requests = warmup_prefill_requests(seqs, mnbt, query_len, num_blocks, reserved)
-    out = []
-    for s, (c, (per_request, per_token)) in enumerate(zip(stage_costs, beside)):
-        held = requests * per_request + requests * (query_len + 1) * per_token if per_request else 0
-        if held:
-            estimates.append(Estimate("warmup_prefill_gather", s, held, 0,
-                                      f"kernel warmup's prefill ({requests} requests of {query_len + 1} tokens, "
-                                      f"vLLM _warmup_kernels): {requests * per_request / GiB:.2f} GiB of gathered "
-                                      f"recurrent states and the KDA layer's forward, held while FlashKDA first "
-                                      f"asks for its buffers (exact shapes); added beside the other after-KV "
-                                      f"terms, not at its own moment: up to {WARMUP_PREFILL_GATHER_BAND / GiB:.2f} "
-                                      f"GiB over where vLLM started (measured)"))
-        out.append(replace(c, after_kv_bytes=c.after_kv_bytes + held, warmup_band_bytes=c.warmup_band_bytes
-                           + min(held, WARMUP_PREFILL_GATHER_BAND)) if held else c)
-    return out
+    moments = []
+    for s, p in enumerate(prefills):
+        if not p.per_request_bytes:
+            moments.append((0, 0))
+            continue
+        gathered = requests * p.per_request_bytes
+        forward = requests * (query_len + 1) * p.per_token_bytes
+        reserve = int(CAPTURE_RESERVE_FRACTION * gathered)
+        over = max(0, gathered + forward + reserve - p.room_bytes)
+        band = min(over, reserve - int(CAPTURE_RESERVE_FRACTION_LOW * gathered))
+        need = p.held_after_kv_bytes + over
+        estimates.append(Estimate("warmup_prefill_gather", s, gathered + forward, 0,
+                                  f"kernel warmup's prefill ({requests} requests of {query_len + 1} tokens, vLLM "
+                                  f"_warmup_kernels): {gathered / GiB:.2f} GiB of gathered recurrent states and the "
+                                  f"KDA layer's forward, held while FlashKDA first asks for its buffers (exact "
+                                  f"shapes), at its own moment: with the allocator's reserve, "
+                                  f"{CAPTURE_RESERVE_FRACTION:.2f} times the states ({CAPTURE_RESERVE_FRACTION_LOW:.2f}"
+                                  f" to {CAPTURE_RESERVE_FRACTION:.2f} measured at the capture's gather), less the "
+                                  f"{p.room_bytes / GiB:.2f} GiB the budget leaves a warmup step, "
+                                  f"{over / GiB:.2f} GiB outside the budget beside the "
+                                  f"{p.held_after_kv_bytes / GiB:.2f} GiB held after the KV cache by then (FlashKDA's "
+                                  f"growth, {p.growth_bytes / GiB:.2f} GiB, with them; the autotune's moment before "
+                                  f"it does not hold it)"))
+        moments.append((need, band))
+    return moments
 
 
 def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSettings, stage: int, start: int, end: int,
