@@ -590,6 +590,21 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b6144-s384-nodraft-u096-expseg-h100", 4, tokens=6144, seqs=384, util=0.96, draft=None,
              role="validation", expected_s=150, extra=("--env", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")),
     ],
+    # Kernel warmup's prefill step weighed at its own moment (planning/memory.py _warmup_prefill_moments, thirty-ninth
+    # session, chosen on round 41) raised proposals above any run: these are the new proposals, fixed before they
+    # run. DSpark with 3 speculative tokens at round 40's shape (0.945 then) and the MLA EAGLE3 at round 39's (0.97).
+    "ranks-round36-h100": [
+        kimi("k4-tp1-b2048-s256-dspark3-u0955-h100", 4, tokens=2048, seqs=256, util=0.955, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b4096-s128-eagle3mla-u098-h100", 4, tokens=4096, seqs=128, util=0.98, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+    ],
+    # The same change on an H200: round 41's shape, which started at 0.965 where the plan said "does not fit", at the
+    # new proposal, 0.97 (fixed in the thirty-ninth session, before it ran).
+    "ranks-round26": [
+        kimi("k6-tp1-b8192-s256-dspark3-u097", 6, tokens=8192, seqs=256, util=0.97, draft=DSPARK_3,
+             role="validation", expected_s=170),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
