@@ -41,6 +41,15 @@ CAPTURE_RESERVE_FRACTION_LOW = 1.1
 verdict is "does not fit"."""
 
 
+def gather_outside_budget(gathered: int, beside: int, room: int) -> tuple[int, int]:
+    """What a step whose KDA layers gather ``gathered`` bytes of recurrent states needs outside the budget, beside
+    ``beside`` bytes of its other transients, with the allocator's reserve (``CAPTURE_RESERVE_FRACTION`` times the
+    states) once ``room`` (what the budget leaves a step's transients) is spent; and the part of it within the
+    reserve's measured band."""
+    over = max(0, beside + int((1 + CAPTURE_RESERVE_FRACTION) * gathered) - room)
+    return over, min(over, int((CAPTURE_RESERVE_FRACTION - CAPTURE_RESERVE_FRACTION_LOW) * gathered))
+
+
 def capture_prefill_requests(max_num_seqs: int, decode_query_len: int, largest_capture: int) -> int:
     """The requests of the largest PIECEWISE capture whose states KDA gathers: ``min(size, max_num_seqs)`` where the
     size exceeds ``max_num_seqs`` decode steps (KDA's prefill path), else 0 (a decode batch gathers nothing)."""

@@ -43,6 +43,7 @@ from kimi_k3_serve.planning.capture import (
     CAPTURE_RESERVE_FRACTION,
     CAPTURE_RESERVE_FRACTION_LOW,
     capture_prefill_requests,
+    gather_outside_budget,
     gathered_states_bytes,
     warmup_prefill_requests,
 )
@@ -1466,9 +1467,7 @@ def _warmup_prefill_moments(prefills: Sequence[_WarmupPrefill], grouping: KvGrou
             continue
         gathered = requests * p.per_request_bytes
         forward = requests * (query_len + 1) * p.per_token_bytes
-        reserve = int(CAPTURE_RESERVE_FRACTION * gathered)
-        over = max(0, gathered + forward + reserve - p.room_bytes)
-        band = min(over, reserve - int(CAPTURE_RESERVE_FRACTION_LOW * gathered))
+        over, band = gather_outside_budget(gathered, forward, p.room_bytes)
         need = p.held_after_kv_bytes + over
         estimates.append(Estimate("warmup_prefill_gather", s, gathered + forward, 0,
                                   f"kernel warmup's prefill ({requests} requests of {query_len + 1} tokens, vLLM "
@@ -1498,9 +1497,7 @@ def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSetting
     gather = requests * _gathered_state_bytes(model, layout, engine, start, end)
     if not gather:
         return 0, 0
-    need = held + int((1 + CAPTURE_RESERVE_FRACTION) * gather) - act - graphs_free + since
-    capture = max(0, need)
-    band = min(capture, int((CAPTURE_RESERVE_FRACTION - CAPTURE_RESERVE_FRACTION_LOW) * gather))
+    capture, band = gather_outside_budget(gather, held, act + graphs_free - since)
     estimates.append(Estimate("capture_kda_gather", stage, capture, 0,
                               f"the CUDA-graph capture after warmup, at its largest graph ({largest} tokens over "
                               f"{requests} requests, KDA's prefill path): {gather / GiB:.2f} GiB of gathered recurrent "
