@@ -120,6 +120,28 @@ def test_dspark_on_last_stage_with_target_embedding(k3, dspark) -> None:
     assert single.ranks[0].draft_bytes < s1.draft_bytes  # no extra embedding copy without PP (and TP16 shards)
 
 
+def test_dspark_logits_gathered_over_the_tp_group_at_many_sequences(k3, dspark, monkeypatch) -> None:
+    """At TP8 DSpark's base logits come through the target's vocabulary-split lm_head and are all-gathered: the
+    rank's shard, the gathered output and its reshape, beside the sampled rows' hidden states (vLLM 0.32
+    logits_processor.py; no rank slice sees it, being TP1). At 1,024 sequences that is larger than the Markov loop,
+    and the stage-1 rank's profile peak (DSpark's step there) moves by the difference; at TP1 it is 0."""
+    from kimi_k3_serve.planning import memory
+
+    rows = min(1024, 8192 // 7) * 7
+    assert memory.dspark_logits_gather_bytes(rows, 163_840, 7168, 1) == 0
+    assert memory.dspark_logits_gather_bytes(rows, 163_840, 7168, 8) == (rows * 20_480 + rows * 163_840
+                                                                          + 2 * rows * 7168) * 2
+    engine = EngineSettings(max_model_len=32768, max_num_seqs=1024, max_num_batched_tokens=8192,
+                            speculative=SpeculativeSettings("dspark", 7, draft=dspark))
+    with_gather = estimate_memory(k3, Layout(tp=8, pp=2), engine, device("H200")).stage_ranks()[1]
+    monkeypatch.setattr(memory, "dspark_logits_gather_bytes", lambda *args: 0)
+    without = estimate_memory(k3, Layout(tp=8, pp=2), engine, device("H200")).stage_ranks()[1]
+    requests = rows // 7
+    gather = (rows * 20_480 + rows * 163_840 + 2 * rows * 7168) * 2
+    markov = memory.dspark_markov_step_bytes(requests, 7, 163_840, 7168)
+    assert with_gather.activation_bytes - without.activation_bytes == gather - markov > GiB
+
+
 def test_fits_on_16_h200_as_tp8_pp2(k3) -> None:
     r = estimate_memory(k3, Layout(tp=8, pp=2), EngineSettings(max_model_len=32768), device("H200"))
     assert r.fits and r.shortfall_bytes == 0

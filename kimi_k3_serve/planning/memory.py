@@ -1247,12 +1247,16 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             rows = requests * num_spec
             logits = int(rows * draft.vocab_size * 2 * DSPARK_PROFILE_LOGITS_COPIES)
             markov = dspark_markov_step_bytes(requests, num_spec, draft.vocab_size, draft.hidden_size)
-            step = _moe_workspace_held(model, layout, start, end, mnbt * gathered) + hidden + logits + markov
+            gather = dspark_logits_gather_bytes(rows, draft.vocab_size, draft.hidden_size, layout.tp)
+            moe = _moe_workspace_held(model, layout, start, end, mnbt * gathered)
+            step = moe + hidden + logits + max(markov, gather)
             basis += (f"; or DSpark's step, if larger ({step / GiB:.2f} GiB): the MoE workspace and the hidden states "
                       f"held + its draft logits, {rows:,} rows x vocab {draft.vocab_size} "
-                      f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted) + its Markov sampling's "
+                      f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted) + the larger of its Markov sampling's "
                       f"{markov / MiB:,.0f} MiB ({min(num_spec + 1, 3)} bf16 tensors of {requests:,} requests x vocab "
-                      f"and the sampled rows' hidden states, exact shapes, vLLM dspark/speculator.py)")
+                      f"and the sampled rows' hidden states, exact shapes, vLLM dspark/speculator.py)"
+                      + (f" and the TP{layout.tp} all-gather of its logits, {gather / MiB:,.0f} MiB (exact shapes, "
+                         "vLLM logits_processor.py)" if gather else ""))
             peak = max(peak, step)
         if _is_mla_eagle3(draft):
             step_held, simulated = eagle3_mla_profile_bytes(model, draft, draft_tp, mnbt, seqs, max_model_len,
@@ -1630,6 +1634,22 @@ def dspark_markov_step_bytes(requests: int, num_spec: int, vocab: int, draft_hid
     processor keeps the model dtype (``head_dtype``'s default) and greedy sampling is an ``argmax``."""
     rows = requests * num_spec
     return min(num_spec + 1, 3) * requests * vocab * 2 + 2 * rows * draft_hidden * 2
+
+
+def dspark_logits_gather_bytes(rows: int, vocab: int, draft_hidden: int, lm_head_tp: int) -> int:
+    """What DSpark's base draft logits hold while they are gathered, beside the fitted copies of ``rows x vocab``
+    (``DSPARK_PROFILE_LOGITS_COPIES``), where the lm_head they come from is split over the vocabulary: 0 at TP 1.
+    Kimi-K3's DSpark draft has no lm_head of its own (models/kimi_k3/nvidia/dspark_mla.py); it is given the target's
+    (spec_decode/dspark/utils.py ``load_dspark_model``), a ``ParallelLMHead`` at the target's TP, so
+    ``compute_draft_logits`` ends in ``LogitsProcessor._get_logits``'s ``tensor_model_parallel_all_gather``
+    (``use_all_gather`` on CUDA): the rank's shard (``rows x vocab / TP``), the gathered ``[TP x rows, vocab / TP]``
+    output and its reshape to ``[rows, vocab]``, a second full copy (distributed/device_communicators
+    ``all_gather``), all bf16, beside the sampled rows' hidden states (``head_hidden``, ``sample_hidden``). The Markov
+    loop comes after (``dspark_markov_step_bytes``): the larger of the two is the step's. No rank slice sees it: a
+    slice runs at TP 1 with the whole lm_head."""
+    if lm_head_tp <= 1:
+        return 0
+    return rows * (vocab // lm_head_tp) * 2 + rows * vocab * 2 + 2 * rows * draft_hidden * 2
 
 
 MLA_CHUNKED_PREFILL_MAX_ROWS = 64 * 1024
