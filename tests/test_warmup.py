@@ -456,3 +456,23 @@ def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accur
     assert "the forward peaks at layer 0's dense MLP (3.14 GiB allocated)" in warmup.basis
     assert 0 < rank.warmup_shortfall_bytes <= rank.warmup_band_bytes
     assert report.safe_gpu_memory_utilization == 0.98 and PREFILL_RESERVE_FRACTION_LOW < 1.0
+
+
+def test_dspark_step_is_a_moment_of_the_autotune_dummy_run(accuracy) -> None:
+    """FlashInfer's autotune dummy run calls DSpark's ``propose`` after the target's forward, as the profile run does:
+    on stage 1's TP8 rank slice at 512 sequences (round 42, H200, validation) autotune's peak is that step, 2.42 GiB
+    over what warmup began with, where the MLA's forward is 1.85 GiB. The plan's warmup forward is now the step's,
+    0.06 GiB over (the safe side), and the verdicts stay: 0.965 fits, 0.97 does not (vLLM's base logits, 1,174,405,120
+    B, were asked for with 0.68 GiB free, then went through once the allocator released its cache)."""
+    verdicts = {}
+    for name in ("r44-s1-dspark-b8192-s512-u0965", "r44-s1-dspark-b8192-s512-u097"):
+        report, reading = accuracy.predict_run(FIXTURES / "2026-12-06-round42" / name)
+        (rank,) = report.ranks
+        autotune = next(p for p in reading.workers[0].warmup_peaks if p.scope == "flashinfer_autotune")
+        assert 0 <= rank.warmup_forward_bytes - autotune.transient_bytes <= 0.07 * GiB
+        warmup = next(e for e in report.estimates if e.name == "warmup_mla_decode")
+        assert "DSpark's step in the autotune's dummy run" in warmup.basis
+        verdicts[name] = report.verdict
+    assert verdicts == {"r44-s1-dspark-b8192-s512-u0965": "fits", "r44-s1-dspark-b8192-s512-u097": "oom_at_warmup"}
+    log = recorded.read_text(FIXTURES / "2026-12-06-round42" / "r44-s1-dspark-b8192-s512-u097" / "vllm.log")
+    assert f"trying to allocate {3584 * 163_840 * 2} bytes" in log  # 512 requests x 7 rows x vocab, bf16

@@ -1217,6 +1217,7 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
     peak, held, held_basis, hidden = fwd, 0, "", 0
     aux_layers = aux_hidden_state_layers(draft)
     last_stage = stage == layout.pp - 1
+    dspark_step = MlaWarmupPeak(0, 0, 0, "")  # DSpark's step, a moment of warmup too (on the last stage)
     if aux_layers and not last_stage:
         # A stage before the draft's holds what it has captured for it (on the last stage the draft's hidden
         # states, fitted below, stand for them).
@@ -1250,6 +1251,7 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             gather = dspark_logits_gather_bytes(rows, draft.vocab_size, draft.hidden_size, layout.tp)
             moe = _moe_workspace_held(model, layout, start, end, mnbt * gathered)
             step = moe + hidden + logits + max(markov, gather)
+            dspark_step = _dspark_warmup_step(step, moe, rows * draft.vocab_size * 2)
             basis += (f"; or DSpark's step, if larger ({step / GiB:.2f} GiB): the MoE workspace and the hidden states "
                       f"held + its draft logits, {rows:,} rows x vocab {draft.vocab_size} "
                       f"({DSPARK_PROFILE_LOGITS_COPIES:g} bf16 copies, fitted) + the larger of its Markov sampling's "
@@ -1315,6 +1317,13 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
         warmup = replace(warmup, forward_bytes=dense.forward_bytes, basis=warmup.basis + (
             f"; the forward peaks at layer 0's dense MLP ({dense.forward_bytes / GiB:.2f} GiB allocated), whose need, "
             "with no reserve, is the smaller"))
+    if warmup.bytes and dspark_step.need_bytes > warmup.need_bytes:
+        warmup = replace(dspark_step, basis=dspark_step.basis + f"; over the MLA's ({warmup.bytes / GiB:.2f} GiB)")
+    elif warmup.bytes and dspark_step.forward_bytes > warmup.forward_bytes:
+        # What rehearse's plugin reads is DSpark's step; the forward's need, with its reserve, is the larger.
+        warmup = replace(warmup, forward_bytes=dspark_step.forward_bytes, basis=warmup.basis + (
+            f"; autotune's dummy run peaks at DSpark's step after the forward ({dspark_step.forward_bytes / GiB:.2f} "
+            "GiB allocated), whose need, with no reserve, is the smaller"))
     if warmup.bytes:
         warmup = replace(warmup, bytes=warmup.bytes + held)
     peak += held
@@ -1342,6 +1351,19 @@ class MlaWarmupPeak:
     def need_bytes(self) -> int:
         """The peak and the allocator's reserve for its largest request: what the larger of two peaks is judged by."""
         return self.bytes + int(self.reserve_fraction * self.largest_request_bytes)
+
+
+def _dspark_warmup_step(step_bytes: int, moe_bytes: int, base_logits_bytes: int) -> MlaWarmupPeak:
+    """DSpark's step in kernel warmup: FlashInfer's autotune dummy run calls the speculator's ``propose`` once the
+    target's forward has returned (v1/worker/gpu/model_runner.py ``_dummy_run``, as in the profile run, on the same
+    ``dspark_profile_requests``), so the step the profile's peak weighs (``step_bytes``, the MoE workspace held
+    beside it) is a moment of warmup too, allocating all but that workspace. On stage 1's TP8 rank slice at 512
+    sequences (round 42, H200) it is autotune's peak: 2,602,861,568 B read, 2,671,855,533 planned, where the MLA's
+    forward is 1.85 GiB. No allocator reserve: its largest request, the base logits (1,174,405,120 B there), went
+    through at 0.97 once the allocator had released its cache."""
+    return MlaWarmupPeak(step_bytes, base_logits_bytes, step_bytes - moe_bytes,
+                         f"DSpark's step in the autotune's dummy run ({step_bytes / GiB:.2f} GiB, as in the profile)",
+                         0.0, 0.0)
 
 
 def _dense_mlp_warmup_peak(model: ModelInventory, layout: Layout, start: int, end: int, mnbt: int,
