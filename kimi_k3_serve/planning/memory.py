@@ -1309,21 +1309,8 @@ def _activation(model: ModelInventory, layout: Layout, stage: int, start: int, e
             warmup = replace(warmup, basis=warmup.basis + f"; over the MLA EAGLE3 drafter's step ({step.bytes / GiB:.2f} "
                              f"GiB, {step.reserve_fraction:.0%} reserve)")
     dense = _dense_mlp_warmup_peak(model, layout, start, end, mnbt, mnbt * gathered)
-    if warmup.bytes and dense.need_bytes > warmup.need_bytes:
-        warmup = replace(dense, basis=dense.basis + f"; over the MLA's ({warmup.bytes / GiB:.2f} GiB)")
-    elif warmup.bytes and dense.forward_bytes > warmup.forward_bytes:
-        # The forward's own peak (what rehearse's plugin reads) is the dense layer's; the MLA's need, with its
-        # reserve, is the larger.
-        warmup = replace(warmup, forward_bytes=dense.forward_bytes, basis=warmup.basis + (
-            f"; the forward peaks at layer 0's dense MLP ({dense.forward_bytes / GiB:.2f} GiB allocated), whose need, "
-            "with no reserve, is the smaller"))
-    if warmup.bytes and dspark_step.need_bytes > warmup.need_bytes:
-        warmup = replace(dspark_step, basis=dspark_step.basis + f"; over the MLA's ({warmup.bytes / GiB:.2f} GiB)")
-    elif warmup.bytes and dspark_step.forward_bytes > warmup.forward_bytes:
-        # What rehearse's plugin reads is DSpark's step; the forward's need, with its reserve, is the larger.
-        warmup = replace(warmup, forward_bytes=dspark_step.forward_bytes, basis=warmup.basis + (
-            f"; autotune's dummy run peaks at DSpark's step after the forward ({dspark_step.forward_bytes / GiB:.2f} "
-            "GiB allocated), whose need, with no reserve, is the smaller"))
+    warmup = _larger_warmup_moment(warmup, dense, "the forward peaks at layer 0's dense MLP")
+    warmup = _larger_warmup_moment(warmup, dspark_step, "autotune's dummy run peaks at DSpark's step after the forward")
     if warmup.bytes:
         warmup = replace(warmup, bytes=warmup.bytes + held)
     peak += held
@@ -1351,6 +1338,21 @@ class MlaWarmupPeak:
     def need_bytes(self) -> int:
         """The peak and the allocator's reserve for its largest request: what the larger of two peaks is judged by."""
         return self.bytes + int(self.reserve_fraction * self.largest_request_bytes)
+
+
+def _larger_warmup_moment(warmup: MlaWarmupPeak, other: MlaWarmupPeak, other_names: str) -> MlaWarmupPeak:
+    """Kernel warmup's peak with another moment of the autotune's dummy run weighed beside the MLA's: the larger need
+    counts; where the other's need, with no reserve, is the smaller but it allocates more, its bytes are what
+    rehearse's plugin reads (``forward_bytes``). ``other_names``: how the basis names that moment."""
+    if not warmup.bytes:
+        return warmup
+    if other.need_bytes > warmup.need_bytes:
+        return replace(other, basis=other.basis + f"; over the MLA's ({warmup.bytes / GiB:.2f} GiB)")
+    if other.forward_bytes > warmup.forward_bytes:
+        return replace(warmup, forward_bytes=other.forward_bytes, basis=warmup.basis + (
+            f"; {other_names} ({other.forward_bytes / GiB:.2f} GiB allocated), whose need, with no reserve, is the "
+            "smaller"))
+    return warmup
 
 
 def _dspark_warmup_step(step_bytes: int, moe_bytes: int, base_logits_bytes: int) -> MlaWarmupPeak:
