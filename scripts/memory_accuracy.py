@@ -145,6 +145,10 @@ READ_BEFORE_A_CHANGE = {
                                        "added beside the other after-KV terms), where vLLM started: that step was "
                                        "weighed at its own moment after this run (planning/memory.py "
                                        "_warmup_prefill_moments, 2026-12-06)",
+    "r44-s1-dspark-b8192-s512-u097": "called \"does not fit\" (0.57 GiB short: TRITON_MLA's 4.26 GiB reservation "
+                                     "added beside warmup's need, clamped at zero), where vLLM started: the after-KV "
+                                     "terms were weighed inside each warmup moment's room after this run "
+                                     "(planning/memory.py _warmup_outside, 2026-12-06)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

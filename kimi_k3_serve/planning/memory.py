@@ -216,6 +216,10 @@ FLASHINFER_MXFP4_WORKSPACE = int(1.6 * GiB)
 """FlashInfer TRTLLM MXFP4 MoE allocates ~1.6 GiB outside vLLM's pool on the first forward on Blackwell
 (kimi-k3-facts.md 2.5); charged to the headroom, not to the KV budget."""
 USAGE_CONTEXTS = ("ray_serve", "openai_api_server", "llm_class")
+PROPOSAL_STEPS_DOWN = 4
+"""How far below the first reading (0.005 a step) the proposed utilization is searched for where the plan is short
+in warmup there: warmup's prefill need grows with the pool, so the first reading, taken at the utilization asked
+for, can sit a step or two above the largest that fits."""
 VERDICTS = ("fits", "cannot_start", "oom_at_load", "no_kv_space", "seqs_over_state_blocks", "oom_at_warmup", "at_risk")
 """vLLM's engine start, in order: the free-memory check (``request_memory``), loading the weights, sizing the KV
 cache from the profile (budget minus non-KV must hold one request), then warmup (allocations after the KV cache).
@@ -618,13 +622,16 @@ def estimate_memory(
         estimates.append(Estimate("cuda_graph_bytes", s, cg, cg_margin, cg_basis))
         # Kernel warmup runs before any graph is captured: its forward's peak over the profile's first fills the
         # CUDA-graph estimate (less the workspace its profiling grew and kept); that, what was allocated since the
-        # profile and the allocator's reserve must fit outside the budget.
-        warmup = warmup_band = own_moment = own_moment_band = 0
+        # profile, what is held after the KV cache by then and the allocator's reserve must fit outside the budget.
+        # Without FlashKDA's growth: the autotune's moment comes before it, and where it grows in warmup the capture
+        # gathers nothing (both follow capture_prefill_requests), so the prefill's moment is the one that holds it.
+        held = after_kv - growth
+        warmup, warmup_band, own_moment, own_moment_band = held, 0, 0, 0
         graphs_free = max(0, cg - cg_kept)
         since = persistent_after_profile_bytes(mnbt, model.hidden_size, DTYPE_BITS[model.dtype] // 8,
                                                _draft_kind(draft), s == layout.pp - 1)
         if warmup_peak.bytes and not engine.enforce_eager:
-            warmup, warmup_band, over, reserve = _warmup_outside(warmup_peak, act, graphs_free, since)
+            warmup, warmup_band, over, reserve = _warmup_outside(warmup_peak, act, graphs_free, since, held)
             measured = (f"{warmup_peak.reserve_fraction_low:.0%} to {warmup_peak.reserve_fraction:.0%} measured"
                         if warmup_peak.reserve_fraction_low < warmup_peak.reserve_fraction
                         else "none measured" if not warmup_peak.reserve_fraction
@@ -632,17 +639,18 @@ def estimate_memory(
             estimates.append(Estimate("warmup_mla_decode", s, warmup, 0, warmup_peak.basis
                                       + f"; {over / GiB:+.2f} GiB over the profile's peak, less the "
                                       f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured, plus "
-                                      f"{since / GiB:.2f} GiB allocated since the profile (fitted) and the "
+                                      f"{since / GiB:.2f} GiB allocated since the profile (fitted), {held / GiB:.2f} GiB held after the KV "
+                                      f"cache and the "
                                       f"allocator's reserve, {warmup_peak.reserve_fraction:.0%} of its largest request "
                                       f"({reserve / GiB:.2f} GiB; {measured}): {warmup / GiB:.2f} GiB outside the "
                                       "budget"))
             if warmup_peak.target is not None:
                 # The drafter's step is its own moment of the autotune's dummy run (before FlashKDA's growth):
                 # the target's forward, freed before it, is what the capture is weighed beside.
-                own_moment, own_moment_band = after_kv - growth + warmup, warmup_band
-                warmup, warmup_band, _, _ = _warmup_outside(warmup_peak.target, act, graphs_free, since)
+                own_moment, own_moment_band = warmup, warmup_band
+                warmup, warmup_band, _, _ = _warmup_outside(warmup_peak.target, act, graphs_free, since, held)
             capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc,
-                                                    held=warmup_peak.bytes - warmup_peak.forward_bytes, act=act,
+                                                    held=warmup_peak.bytes - warmup_peak.forward_bytes + held, act=act,
                                                     graphs_free=graphs_free, since=since, estimates=estimates)
             # The capture runs once warmup has freed its forward: the larger need counts, and vLLM fails for sure
             # where either one is short beyond its own band.
@@ -650,10 +658,7 @@ def estimate_memory(
             warmup = max(warmup, capture)
             warmup_band = warmup - beyond
         warmup_forwards.append(warmup_peak.forward_bytes if not engine.enforce_eager else 0)
-        # Without FlashKDA's growth: the autotune's moment comes before it, and where it grows in warmup the capture
-        # gathers nothing (both follow capture_prefill_requests), so the prefill's moment is the one that holds it.
-        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws,
-                                      after_kv - growth + warmup, warmup_band))
+        stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, warmup, warmup_band))
         own_moments.append((own_moment, own_moment_band))
         beside_flashkda.append(_WarmupPrefill(*prefill_state, after_kv, growth, act + graphs_free - since))
 
@@ -734,8 +739,8 @@ def estimate_memory(
     safe_util = _safe_utilization(ranks, model, world, cc)
     no_safe_reason = ""
     if check_proposal and safe_util is not None:
-        safe_util, no_safe_reason = _proven_proposal(safe_util, verdict, pool.num_blocks, model, layout, engine, devs,
-                                                     optimisations)
+        safe_util, no_safe_reason = _proven_proposal(safe_util, verdict, pool.num_blocks, ranks, model, layout, engine,
+                                                     devs, optimisations)
     if verdict == "seqs_over_state_blocks":
         notes.append(
             f"vLLM would refuse to capture CUDA graphs: max_num_seqs {seqs:,} exceeds the {pool.num_blocks:,} KV-cache "
@@ -929,21 +934,33 @@ def raise_utilization_advice(util: float, safe_util: float | None) -> str:
     return f" or raise gpu_memory_utilization to {safe_util}" if safe_util is not None and safe_util > util else ""
 
 
-def _proven_proposal(safe_util: float, verdict: str, num_blocks: int, model: ModelInventory, layout: Layout,
-                     engine: EngineSettings, devs: Sequence[RankDevice],
+def _proven_proposal(safe_util: float, verdict: str, num_blocks: int, ranks: Sequence[RankMemory],
+                     model: ModelInventory, layout: Layout, engine: EngineSettings, devs: Sequence[RankDevice],
                      optimisations: Optimisations | None) -> tuple[float | None, str]:
     """``safe_util`` if the plan says "fits" there, else None and why. The proposal bounds the utilization from
     above (room after the KV cache); the KV pool bounds it from below (a state block for each of max_num_seqs, one
     request of max_model_len, the bands), and where the two cross no utilization fits: proposing the upper bound
-    then sends the user to a start vLLM refuses (4 layers, DSpark, 2,048 tokens, 512 sequences on an H100: warmup
-    leaves room up to 0.845, where the pool holds fewer state blocks than sequences). ``verdict`` and
-    ``num_blocks``: the plan's at the utilization asked for."""
-    if engine.gpu_memory_utilization != safe_util:
-        at_safe = estimate_memory(model, layout, replace(engine, gpu_memory_utilization=safe_util), devs,
-                                  optimisations=optimisations, check_proposal=False)
-        verdict, num_blocks = at_safe.verdict, at_safe.num_blocks
-    if verdict == "fits":
-        return safe_util, ""
+    then sends the user to a start vLLM refuses (4 layers, DSpark, 2,048 tokens, 576 sequences on an H100: warmup
+    leaves room up to 0.84, where the pool holds fewer state blocks than sequences). ``verdict``, ``num_blocks``
+    and ``ranks``: the plan's at the utilization asked for.
+
+    ``safe_util`` is read from the after-KV need at the utilization asked for, and that need grows with the pool
+    (warmup's prefill step takes as many requests as the pool has blocks for): where the plan is short in warmup at
+    ``safe_util``, the proposal steps down by 0.005, up to ``PROPOSAL_STEPS_DOWN`` times, to the largest that fits."""
+    asked = engine.gpu_memory_utilization
+    at_asked = (verdict, num_blocks, ranks)
+    for step in range(PROPOSAL_STEPS_DOWN + 1):
+        util = round(safe_util - 0.005 * step, 3)
+        if util == asked:
+            verdict, num_blocks, ranks = at_asked
+        else:
+            at_util = estimate_memory(model, layout, replace(engine, gpu_memory_utilization=util), devs,
+                                      optimisations=optimisations, check_proposal=False)
+            verdict, num_blocks, ranks = at_util.verdict, at_util.num_blocks, at_util.ranks
+        if verdict == "fits":
+            return util, ""
+        if verdict not in ("at_risk", "oom_at_warmup") or not any(r.warmup_shortfall_bytes for r in ranks):
+            break  # not short in warmup: a lower utilization gives the pool less, and warmup nothing
     why = {
         "cannot_start": "less memory is free than that budget",
         "oom_at_load": "the weights do not load",
@@ -954,7 +971,8 @@ def _proven_proposal(safe_util: float, verdict: str, num_blocks: int, model: Mod
         "at_risk": "it fits only at the plan's point estimates, not with their measured error bands against it; "
                    "lower max_num_seqs or max_model_len",
     }.get(verdict, f"the plan says {verdict}")
-    return None, f"at {safe_util}, the largest that leaves room for what vLLM allocates after the KV cache, {why}"
+    where = f"at {safe_util}" if util == safe_util else f"from {safe_util} down to {util}"
+    return None, f"{where}, the largest that leaves room for what vLLM allocates after the KV cache, {why}"
 
 
 def _validate_kimi_kv_dtype(engine: EngineSettings, cc: tuple[int, int]) -> None:
@@ -1394,13 +1412,15 @@ def _dense_mlp_warmup_peak(model: ModelInventory, layout: Layout, start: int, en
     return MlaWarmupPeak(forward + workspace, mnbt * 2 * inter * b, forward, basis, 0.0, 0.0)
 
 
-def _warmup_outside(peak: MlaWarmupPeak, act: int, graphs_free: int, since: int) -> tuple[int, int, int, int]:
+def _warmup_outside(peak: MlaWarmupPeak, act: int, graphs_free: int, since: int,
+                    held: int) -> tuple[int, int, int, int]:
     """What kernel warmup's peak needs outside the budget: its excess over the profile's peak less the CUDA-graph
-    estimate not yet captured, what was allocated since the profile, and the allocator's reserve for its largest
-    request; with the part of it within the reserve's measured band, the excess and the reserve."""
+    estimate not yet captured, what was allocated since the profile, what is ``held`` after the KV cache by then
+    and the allocator's reserve for its largest request; with the part of it within the reserve's measured band, the
+    excess and the reserve."""
     over = peak.bytes - act
     reserve = int(peak.reserve_fraction * peak.largest_request_bytes)
-    warmup = max(0, over - graphs_free + since + reserve)
+    warmup = max(0, held + over - graphs_free + since + reserve)
     band = min(warmup, reserve - int(peak.reserve_fraction_low * peak.largest_request_bytes))
     return warmup, band, over, reserve
 
@@ -1495,8 +1515,7 @@ def _warmup_prefill_moments(prefills: Sequence[_WarmupPrefill], grouping: KvGrou
             continue
         gathered = requests * p.per_request_bytes
         forward = requests * (query_len + 1) * p.per_token_bytes
-        over, band = gather_outside_budget(gathered, forward, p.room_bytes)
-        need = p.held_after_kv_bytes + over
+        need, band = gather_outside_budget(gathered, forward + p.held_after_kv_bytes, p.room_bytes)
         estimates.append(Estimate("warmup_prefill_gather", s, gathered + forward, 0,
                                   f"kernel warmup's prefill ({requests} requests of {query_len + 1} tokens, vLLM "
                                   f"_warmup_kernels): {gathered / GiB:.2f} GiB of gathered recurrent states and the "
@@ -1505,10 +1524,9 @@ def _warmup_prefill_moments(prefills: Sequence[_WarmupPrefill], grouping: KvGrou
                                   f"{CAPTURE_RESERVE_FRACTION:.2f} times the states ({CAPTURE_RESERVE_FRACTION_LOW:.2f}"
                                   f" to {CAPTURE_RESERVE_FRACTION:.2f} measured at the capture's gather), less the "
                                   f"{p.room_bytes / GiB:.2f} GiB the budget leaves a warmup step, "
-                                  f"{over / GiB:.2f} GiB outside the budget beside the "
-                                  f"{p.held_after_kv_bytes / GiB:.2f} GiB held after the KV cache by then (FlashKDA's "
-                                  f"growth, {p.growth_bytes / GiB:.2f} GiB, with them; the autotune's moment before "
-                                  f"it does not hold it)"))
+                                  f"with the {p.held_after_kv_bytes / GiB:.2f} GiB held after the KV cache by then "
+                                  f"(FlashKDA's growth, {p.growth_bytes / GiB:.2f} GiB, with them; the autotune's "
+                                  f"moment before it does not hold it): {need / GiB:.2f} GiB outside the budget"))
         moments.append((need, band))
     return moments
 
