@@ -605,6 +605,20 @@ SETS: dict[str, list[Job]] = {
         kimi("k6-tp1-b8192-s256-dspark3-u097", 6, tokens=8192, seqs=256, util=0.97, draft=DSPARK_3,
              role="validation", expected_s=170),
     ],
+    # What vLLM holds after sizing the KV cache weighed inside each warmup moment's room (planning/memory.py
+    # _warmup_outside, fortieth session, chosen on round 42's 0.97): the new proposals on an H100, fixed before they
+    # run (the MLA EAGLE3 at 4,096 over 128, 0.98 -> 0.99; 3 speculative tokens at 4,096 over 512, 0.915 -> 0.925),
+    # and on an H200 stage 1's rank slice just above its proposal, where the plan now says 0.12 GiB short: vLLM fails
+    # as predicted, or the plan was conservative by what it says.
+    "ranks-round37-h100": [
+        kimi("k4-tp1-b4096-s128-eagle3mla-u099-h100", 4, tokens=4096, seqs=128, util=0.99, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b4096-s512-dspark3-u0925-h100", 4, tokens=4096, seqs=512, util=0.925, draft=DSPARK_3,
+             role="validation", expected_s=150),
+    ],
+    "ranks-round27": [
+        rank("r44-s1-dspark-b8192-s512-u0975", 1, role="validation", tokens=8192, seqs=512, util=0.975, expected_s=300),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
@@ -624,7 +638,8 @@ SETS: dict[str, list[Job]] = {
 }
 
 
-AT_THE_SLICES_OWN_EDGE = frozenset({"r44-s1-dspark-b8192-s512-u0965", "r44-s1-dspark-b8192-s512-u097"})
+AT_THE_SLICES_OWN_EDGE = frozenset({"r44-s1-dspark-b8192-s512-u0965", "r44-s1-dspark-b8192-s512-u097",
+                                    "r44-s1-dspark-b8192-s512-u0975"})
 """Rank jobs at the rank slice's own proposal or just above it: they score the slice's warmup terms, so the real
 layout, whose NCCL and all-reduce buffers take room the slice has, does not fit there."""
 
