@@ -149,6 +149,10 @@ READ_BEFORE_A_CHANGE = {
                                      "added beside warmup's need, clamped at zero), where vLLM started: the after-KV "
                                      "terms were weighed inside each warmup moment's room after this run "
                                      "(planning/memory.py _warmup_outside, 2026-12-06)",
+    "k4-tp1-b4096-s512-dspark3-u0925-h100": "called \"fits\" at the utilization the plan proposed (0.925), where "
+                                            "vLLM ran out of memory capturing DSpark's graphs after FlashKDA's "
+                                            "growth: the growth was weighed beside the autotune's forward after "
+                                            "this run (planning/memory.py estimate_memory, 2026-12-07)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

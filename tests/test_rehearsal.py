@@ -286,8 +286,10 @@ OTHER_FAMILIES = ("llama", "qwen", "deepseek")
 """The recorded runs of models other than Kimi-K3 (their profile band is ``bands.PROFILE_OTHER_FAMILIES``)."""
 
 
-UNSAFE_KV_MISSES: dict[str, float] = {}
-"""Validation runs whose KV pool the plan puts more than 1 % above vLLM's, and the error each has: none open. Round
+UNSAFE_KV_MISSES: dict[str, float] = {"k4-tp1-b4096-s512-dspark3-u090-h100": 0.014}
+"""Validation runs whose KV pool the plan puts more than 1 % above vLLM's, and the error each has. Round 45 (H100, 3
+speculative tokens at 4,096 over 512, 0.90, the Markov term scored out of sample): +1.36 %, 0.08 GiB of a 6.10 GiB
+pool, the profile 0.03 GiB and the CUDA-graph estimate 0.06 GiB under vLLM's; inside the pool's band. Round
 40's 3 speculative tokens at 2,048 over 256 sequences (k4-tp1-b2048-s256-dspark3-u0945-h100) was +1.9 % until DSpark's
 Markov sampling was taken from vLLM's code (memory.dspark_markov_step_bytes, thirty-ninth session); +0.6 % since.
 Round 39's MLA EAGLE3 at 16,384 tokens was +3.5 % until the speculator's hidden-state buffer was counted
@@ -336,7 +338,13 @@ def test_deploy_configs_quote_their_ranks_kv_errors_as_the_fixtures_replay(runs)
         assert error == f"{replayed:+.2f}", f"{config} quotes {error} % for {name}; its fixture gives {replayed:+.2f} %"
 
 
-VERDICT_MISSES: dict[str, str] = {}
+VERDICT_MISSES: dict[str, str] = {
+    "k4-tp1-b2048-s256-dspark3-u0955-h100": "called \"fits\" at the proposal (0.955, 0.37 GiB to spare), where vLLM "
+                                            "ran out of memory in the real capture's first FULL graph (FlashMLA's "
+                                            "decode, 110 MiB asked for with 52 MiB free), after the 51 PIECEWISE "
+                                            "graphs and FlashKDA's growth: the capture's own forward is not in the "
+                                            "plan (round 46, H100)",
+}
 """Validation runs the plan called "fits" where vLLM failed: listed, so that none is added unseen."""
 
 REFUSED_WHERE_SERVED: dict[str, str] = {}
