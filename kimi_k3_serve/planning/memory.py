@@ -652,11 +652,8 @@ def estimate_memory(
             capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc,
                                                     held=warmup_peak.bytes - warmup_peak.forward_bytes + held, act=act,
                                                     graphs_free=graphs_free, since=since, estimates=estimates)
-            # The capture runs once warmup has freed its forward: the larger need counts, and vLLM fails for sure
-            # where either one is short beyond its own band.
-            beyond = max(warmup - warmup_band, capture - capture_band)
-            warmup = max(warmup, capture)
-            warmup_band = warmup - beyond
+            # The capture runs once warmup has freed its forward.
+            warmup, warmup_band = _larger_need(warmup, warmup_band, capture, capture_band)
             if growth:
                 # After warmup's prefill FlashKDA's growth is held too, while the capture's eager forwards run
                 # into the same room: weighed as the autotune's forward with the growth beside it. A stand-in, not
@@ -664,9 +661,7 @@ def estimate_memory(
                 # of memory capturing DSpark's graphs where the autotune's moment alone left room.
                 grown, grown_band, _, _ = _warmup_outside(warmup_peak.target or warmup_peak, act, graphs_free, since,
                                                           held + growth)
-                beyond = max(warmup - warmup_band, grown - grown_band)
-                warmup = max(warmup, grown)
-                warmup_band = warmup - beyond
+                warmup, warmup_band = _larger_need(warmup, warmup_band, grown, grown_band)
         warmup_forwards.append(warmup_peak.forward_bytes if not engine.enforce_eager else 0)
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, warmup, warmup_band))
         own_moments.append((own_moment, own_moment_band))
@@ -1441,9 +1436,16 @@ def _with_own_moment(costs: StageCosts, own_bytes: int, own_band_bytes: int) -> 
     the larger need counts, and vLLM fails for sure where either one is short beyond its own band."""
     if own_bytes <= 0:
         return costs
-    beyond = max(costs.after_kv_bytes - costs.warmup_band_bytes, own_bytes - own_band_bytes)
-    after = max(costs.after_kv_bytes, own_bytes)
-    return replace(costs, after_kv_bytes=after, warmup_band_bytes=after - beyond)
+    after, band = _larger_need(costs.after_kv_bytes, costs.warmup_band_bytes, own_bytes, own_band_bytes)
+    return replace(costs, after_kv_bytes=after, warmup_band_bytes=band)
+
+
+def _larger_need(need: int, band: int, other: int, other_band: int) -> tuple[int, int]:
+    """Two moments' needs outside the budget, each with the part of it within its reserve's band: the larger need
+    counts, and vLLM fails for sure where either one is short beyond its own band."""
+    beyond = max(need - band, other - other_band)
+    larger = max(need, other)
+    return larger, larger - beyond
 
 
 def _dspark_held_copies_bytes(model: ModelInventory, aux_layers: Sequence[int], mnbt: int) -> int:
