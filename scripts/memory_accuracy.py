@@ -153,6 +153,10 @@ READ_BEFORE_A_CHANGE = {
                                             "vLLM ran out of memory capturing DSpark's graphs after FlashKDA's "
                                             "growth: the growth was weighed beside the autotune's forward after "
                                             "this run (planning/memory.py estimate_memory, 2026-12-07)",
+    "k4-tp1-b2048-s256-dspark3-u0955-h100": "called \"fits\" at the utilization the plan proposed (0.955, 0.44 GiB "
+                                            "to spare by the capture's stand-in), where vLLM ran out of memory "
+                                            "before its first FULL graph: the stand-in's error band was measured on "
+                                            "this run (planning/capture.py CAPTURE_AFTER_GROWTH_ERROR, 2026-12-07)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

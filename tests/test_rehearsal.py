@@ -338,14 +338,10 @@ def test_deploy_configs_quote_their_ranks_kv_errors_as_the_fixtures_replay(runs)
         assert error == f"{replayed:+.2f}", f"{config} quotes {error} % for {name}; its fixture gives {replayed:+.2f} %"
 
 
-VERDICT_MISSES: dict[str, str] = {
-    "k4-tp1-b2048-s256-dspark3-u0955-h100": "called \"fits\" at the proposal (0.955, 0.37 GiB to spare), where vLLM "
-                                            "ran out of memory in the real capture's first FULL graph (FlashMLA's "
-                                            "decode, 110 MiB asked for with 52 MiB free), after the 51 PIECEWISE "
-                                            "graphs and FlashKDA's growth: the capture's own forward is not in the "
-                                            "plan (round 46, H100)",
-}
-"""Validation runs the plan called "fits" where vLLM failed: listed, so that none is added unseen."""
+VERDICT_MISSES: dict[str, str] = {}
+"""Validation runs the plan called "fits" where vLLM failed: listed, so that none is added unseen. Round 46 (H100, 3
+speculative tokens, 2,048 over 256, at the proposal 0.955) was one, out of sample, until its error set the band of the
+capture's stand-in (``capture.CAPTURE_AFTER_GROWTH_ERROR``); "at risk" since."""
 
 REFUSED_WHERE_SERVED: dict[str, str] = {}
 """Validation runs the plan called "does not fit" where vLLM started (the safe side): listed, so that none is added
@@ -369,14 +365,18 @@ def test_verdict_right_on_every_run_that_ended(runs) -> None:
     # round 35's 384-sequence run at 0.93 (started), and kernel warmup's prefill step judged with it at its own moment
     # (memory._warmup_prefill_moments): round 37's no draft at 0.87 (ran out of memory there, 1.54 times the gathered
     # states left) and round 36's at 0.86 (started, 2.04 times); and the two failures of rounds 39 and 40 the drafter
-    # reserve's band and the MLA prefill path's reserve were measured with (at the low end of each).
+    # reserve's band and the MLA prefill path's reserve were measured with (at the low end of each); within the capture
+    # stand-in's error band after FlashKDA's growth, round 46's failure it was measured on and three that started
+    # (rounds 31, 41 and 44's MLA EAGLE3 at 0.99).
     assert sorted(r.name for r in ended if r.predicted_verdict == "at_risk") == [
         "k4-tp1-b12288-s64-nodraft-u0985-h100", "k4-tp1-b16384-s128-eagle3mla-u0915-h100",
+        "k4-tp1-b2048-s256-dspark3-u0955-h100", "k4-tp1-b4096-s128-eagle3mla-u099-h100",
         "k4-tp1-b4096-s512-nodraft-u086-h100", "k4-tp1-b4096-s512-nodraft-u087-h100",
         "k4-tp1-b6144-s384-nodraft-u093-h100",
         "k4-tp1-b8192-s128-dspark-u095-h100",
         "k4-tp1-b8192-s128-nodraft-u095-h100",
         "k4-tp1-b8192-s256-dspark-u088-h100", "k4-tp1-b8192-s256-dspark-u091-h100",
+        "k4-tp1-b8192-s256-dspark3-u093-h100", "k6-tp1-b8192-s256-dspark3-u0965",
         "k7-tp1-b2048-s128-dspark-u081", "k8-tp1-b2048-s128-dspark",
         "k8-tp1-b4096-s48-dspark", "k8-tp1-b4096-s64-dspark", "k8-tp1-b8192-s512-nodraft",
         "k8-tp1-b8192-s512-nodraft-samples"]

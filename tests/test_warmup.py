@@ -229,10 +229,17 @@ def test_twelve_thousand_tokens_with_three_speculative_tokens_warm_up_as_planned
     peaked 8.01 GiB above what it began with, the plan's to 0.01 GiB; the engine went through warmup and CUDA-graph
     capture, and the call's deadline stopped it before it reported ready; warmup's prefill never went above the
     autotune forward's peak. With that prefill weighed at its own moment (planning/memory.py
-    ``_warmup_prefill_moments``) the plan calls 0.925 "fits" and proposes it (added beside the other after-KV terms,
-    it was "at risk", 0.02 GiB short)."""
+    ``_warmup_prefill_moments``) the plan called 0.925 "fits" and proposed it (added beside the other after-KV terms,
+    it was "at risk", 0.02 GiB short). Since the capture's stand-in after FlashKDA's growth carries the error round 46
+    measured (``capture.CAPTURE_AFTER_GROWTH_ERROR``), 0.925 is "at risk" again, 0.28 GiB short within that band, and
+    0.92 is proposed: this capture went through with the stand-in 0.22 GiB inside the band, round 46's failed with it
+    0.44 GiB clear of it, so the band is where the plan cannot tell."""
+    from kimi_k3_serve.planning.capture import CAPTURE_AFTER_GROWTH_ERROR
+
     report, reading = accuracy.predict_run(FIXTURES / "2026-12-06-round29" / "k4-tp1-b12288-s192-dspark3-u0925-h100")
-    assert report.verdict == "fits" and report.safe_gpu_memory_utilization == 0.925
+    (rank,) = report.ranks
+    assert report.verdict == "at_risk" and report.safe_gpu_memory_utilization == 0.92
+    assert 0 < rank.warmup_shortfall_bytes < CAPTURE_AFTER_GROWTH_ERROR
     kernels = next(p for p in reading.workers[0].warmup_peaks if p.scope == "warmup_kernels")
     assert kernels.allocated_peak_bytes == kernels.peak_at_entry_bytes  # the prefill stayed below the autotune's peak
     (worker,) = reading.workers
@@ -379,13 +386,15 @@ def test_warmups_prefill_is_weighed_at_its_own_moment_after_the_autotune(accurac
     resize from kda.py's ``_forward`` comes after the autotune's peak. Round 41 (H200, validation: 6 layers, DSpark's 3
     speculative tokens, 8,192 tokens over 256, 0.965) started, and its warmup prefill never went above the autotune's
     peak (141.44 GB at entry, 147.19 at both peaks). Added beside the other after-KV terms, the prefill's 1.49 GiB
-    made the plan "does not fit", 1.48 GiB short; at its own moment the plan says "fits", its need (FlashKDA's growth
-    and what was held for good, the states within the budget's room) below the autotune's."""
+    made the plan "does not fit", 1.48 GiB short; at its own moment the plan said "fits", its need (FlashKDA's growth
+    and what was held for good, the states within the budget's room) below the autotune's. The capture's stand-in
+    after that growth, with the error round 46 measured, makes it "at risk" now (0.50 GiB short within a 0.80 GiB
+    band), not "does not fit"."""
     from kimi_k3_serve.rehearsal.compare import measured_verdict
 
     run = FIXTURES / "2026-12-06-round41" / "k6-tp1-b8192-s256-dspark3-u0965"
     report, reading = accuracy.predict_run(run)
-    assert (report.verdict, measured_verdict(reading)) == ("fits", "fits")
+    assert (report.verdict, measured_verdict(reading)) == ("at_risk", "fits")
     (worker,) = reading.workers
     autotune = next(p for p in worker.warmup_peaks if p.scope == "flashinfer_autotune")
     kernels = next(p for p in worker.warmup_peaks if p.scope == "warmup_kernels")
@@ -426,13 +435,13 @@ def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accur
                         "k4-tp1-b4096-s128-eagle3mla-u097-h100": ("fits", "fits"),
                         "k4-tp1-b12288-s64-nodraft-u0985-h100": ("at_risk", "oom_at_warmup"),
                         "k4-tp1-b2048-s256-dspark3-u0945-h100": ("fits", "fits")}
-    # Both proposals are now above where they started (0.99 and 0.955): the drafter's step and the autotune's forward
+    # Both proposals are now above where they started (0.985 and 0.95): the drafter's step and the autotune's forward
     # come before FlashKDA's growth, warmup's prefill is weighed at its own moment, and what is held after the KV cache
-    # takes its share of each moment's room (test_after_kv_terms_are_weighed_inside_each_warmup_moments_room). Tried:
-    # vLLM started at 0.99 (round 44) and ran out of memory in its real capture at 0.955 (round 46: VERDICT_MISSES in
-    # tests/test_rehearsal.py, the capture's own forward is not in the plan).
-    for name, proposal in (("k4-tp1-b4096-s128-eagle3mla-u097-h100", 0.99),
-                           ("k4-tp1-b2048-s256-dspark3-u0945-h100", 0.955)):
+    # takes its share of each moment's room (test_after_kv_terms_are_weighed_inside_each_warmup_moments_room), less
+    # the capture stand-in's error band. Tried above them: vLLM started at 0.99 (round 44) and ran out of memory in its
+    # real capture at 0.955 (round 46), where the plan now says "at risk".
+    for name, proposal in (("k4-tp1-b4096-s128-eagle3mla-u097-h100", 0.985),
+                           ("k4-tp1-b2048-s256-dspark3-u0945-h100", 0.95)):
         report, _ = runs[name]
         assert report.safe_gpu_memory_utilization == proposal > report.engine.gpu_memory_utilization
 

@@ -23,6 +23,8 @@ H100: out of memory on a later KDA layer's 2.75 GiB gather with 2.78 GiB cached)
 
 from __future__ import annotations
 
+from kimi_k3_serve.units import GiB
+
 CAPTURE_RESERVE_FRACTION = 2.85
 """Room the allocator needs at the capture beyond the gathered states, as a multiple of them, in the plan's terms
 (what the plan leaves outside the budget, the profile's transient peak and the graphs' estimate not yet captured,
@@ -39,6 +41,14 @@ there, in the same terms, vLLM ran out of memory with 1.54 times the states left
 CAPTURE_RESERVE_FRACTION_LOW = 1.1
 """The low end of the capture reserve's band: the failed capture had 1.09 times its request left; below 1.1 the
 verdict is "does not fit"."""
+
+CAPTURE_AFTER_GROWTH_ERROR = GiB // 2
+"""The error band of the capture's stand-in once FlashKDA has grown in warmup's prefill (planning/memory.py
+``estimate_memory``: the autotune's forward with the growth held beside it), as measured where it failed: round 46
+(H100, 3 speculative tokens, 2,048 tokens over 256, 0.955) ran out of memory before its first FULL graph, asking for
+110 MiB with 52 MiB free, where the stand-in left 0.44 GiB, so it was at least 0.49 GiB under. Within it the verdict
+is "at risk", and the proposal keeps clear of it; beyond it, "does not fit" as before. Read on one failed run: the
+capture's own moment (the PIECEWISE pools captured, the first FULL graph's eager forward) is not yet in the plan."""
 
 
 def gather_outside_budget(gathered: int, beside: int, room: int) -> tuple[int, int]:

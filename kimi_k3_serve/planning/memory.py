@@ -40,6 +40,7 @@ from kimi_k3_serve.planning.bands import kv_band_bytes
 from kimi_k3_serve.planning.fused_allreduce import zero_residual
 from kimi_k3_serve.planning.nvls import nvls_basis, nvls_buffer_bytes
 from kimi_k3_serve.planning.capture import (
+    CAPTURE_AFTER_GROWTH_ERROR,
     CAPTURE_RESERVE_FRACTION,
     CAPTURE_RESERVE_FRACTION_LOW,
     capture_prefill_requests,
@@ -661,7 +662,8 @@ def estimate_memory(
                 # of memory capturing DSpark's graphs where the autotune's moment alone left room.
                 grown, grown_band, _, _ = _warmup_outside(warmup_peak.target or warmup_peak, act, graphs_free, since,
                                                           held + growth)
-                warmup, warmup_band = _larger_need(warmup, warmup_band, grown, grown_band)
+                warmup, warmup_band = _larger_need(warmup, warmup_band, grown + CAPTURE_AFTER_GROWTH_ERROR,
+                                                   grown_band + CAPTURE_AFTER_GROWTH_ERROR)
         warmup_forwards.append(warmup_peak.forward_bytes if not engine.enforce_eager else 0)
         stage_costs.append(StageCosts(weights, by_cat, draft_bytes, act, cg, non_torch, ws, warmup, warmup_band))
         own_moments.append((own_moment, own_moment_band))
