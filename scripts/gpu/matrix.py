@@ -619,6 +619,20 @@ SETS: dict[str, list[Job]] = {
     "ranks-round27": [
         rank("r44-s1-dspark-b8192-s512-u0975", 1, role="validation", tokens=8192, seqs=512, util=0.975, expected_s=300),
     ],
+    # The capture stand-in's band (planning/capture.py CAPTURE_AFTER_GROWTH_ERROR, fortieth session): the proposals
+    # of rounds 44 and 46's shapes with it kept clear (0.905 at 4,096 / 512, 0.95 at 2,048 / 256), and two shapes no
+    # run has had, each at its proposal: the MLA EAGLE3 at 8,192 over 256 requests (0.975) and 3 speculative tokens at
+    # 16,384 over 64 (0.985). Fixed 2026-12-07 (forty-first session), before they run, for an H100 80GB.
+    "ranks-round38-h100": [
+        kimi("k4-tp1-b4096-s512-dspark3-u0905-h100", 4, tokens=4096, seqs=512, util=0.905, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b2048-s256-dspark3-u095-h100", 4, tokens=2048, seqs=256, util=0.95, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s256-eagle3mla-u0975-h100", 4, tokens=8192, seqs=256, util=0.975, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b16384-s64-dspark3-u0985-h100", 4, tokens=16384, seqs=64, util=0.985, draft=DSPARK_3,
+             role="validation", expected_s=170),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
