@@ -199,6 +199,12 @@ class RunAccuracy:
     note: str = ""
     rank: int = 0
     ranks: int = 1
+    utilization: float | None = None
+    """The run's --gpu-memory-utilization, where its flags set one."""
+    proposal: float | None = None
+    """The largest safe utilization today's plan proposes for the run's settings on the run's GPU."""
+    shape: str = ""
+    """The run's settings but its utilization, and its GPU: runs of one shape differ in utilization alone."""
 
     @property
     def label(self) -> str:
@@ -321,6 +327,8 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
         note = f"repeat of {SAME_AS[run_dir.name]} (first start on the host)"
     if run_dir.name in READ_BEFORE_A_CHANGE:
         note = f"scored before a change chosen on it: {READ_BEFORE_A_CHANGE[run_dir.name]}"
+    flags = _recorded_flags(run_dir)
+    utilization, shape = _utilization_and_shape(run_dir, flags)
     try:
         report, reading = predict_run(run_dir)
     except ConfigError as error:  # today's plan refuses the settings the run used
@@ -364,8 +372,19 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
         name=run_dir.name, role=role, started=reading.started, measured_verdict=measured,
         predicted_verdict=report.verdict, weights=pair(rank, "weights"), profile=pair(rank, "profile_non_kv"),
         cuda_graph=pair(rank, "cuda_graph_estimate"), kv=pair(rank, "kv_cache"), note=note if rank.rank == 0 else "",
-        rank=rank.rank, ranks=len(ranks),
+        rank=rank.rank, ranks=len(ranks), utilization=utilization, proposal=report.safe_gpu_memory_utilization,
+        shape=shape,
     ) for rank in ranks]
+
+
+def _utilization_and_shape(run_dir: Path, flags: list[str]) -> tuple[float | None, str]:
+    """The run's utilization flag, and its other settings with the GPU it ran on (files by name, not by path)."""
+    if "--gpu-memory-utilization" not in flags:
+        return None, ""
+    at = flags.index("--gpu-memory-utilization")
+    rest = [Path(f).name if Path(f).is_absolute() else f for f in flags[:at] + flags[at + 2:]]
+    gpu = json.loads((run_dir.parent / "host.json").read_text())["torch_devices"][0].get("name", "")
+    return float(flags[at + 1]), " ".join([gpu, *rest])
 
 
 def run_dirs() -> list[Path]:
@@ -414,6 +433,64 @@ def _capture_lines() -> list[str]:
         f"- {len(captures)} GPUs logged both; the real capture took {min(ratios) * 100:.0f} % to "
         f"{max(ratios) * 100:.0f} % of the estimate; the least room left: {(spare[1] - spare[2]) / GiB:.2f} GiB "
         f"({spare[0]}: {spare[2] / GiB:.2f} of {spare[1] / GiB:.2f} GiB).",
+        "",
+    ]
+
+
+MEMORY_FAILURES = ("cannot_start", "oom_at_load", "no_kv_space", "oom_at_warmup")
+"""How a start ends when memory, not the settings, stopped it: the outcomes a lower utilization can change."""
+
+
+def _proposal_lines(runs: list[RunAccuracy]) -> list[str]:
+    """Today's proposal at every shape run at two or more utilizations, or at one where vLLM failed for memory,
+    against what vLLM did there: a failure at or below the proposal is the error a user would meet."""
+    shapes: dict[str, list[RunAccuracy]] = {}
+    for r in runs:
+        if r.shape and r.rank == 0 and r.measured_verdict != "unknown":
+            shapes.setdefault(r.shape, []).append(r)
+    rows, supported, failed_below, untried = [], 0, [], 0
+    for shape_runs in shapes.values():
+        started = sorted(r.utilization for r in shape_runs if r.measured_verdict == "fits")
+        failures = sorted(r.utilization for r in shape_runs if r.measured_verdict in MEMORY_FAILURES)
+        if len(shape_runs) < 2 and not failures:
+            continue
+        proposal = shape_runs[-1].proposal  # the same settings on the same GPU: one proposal
+        name = min((r.name for r in shape_runs), key=len)
+        others = sorted({f"{r.measured_verdict} at {r.utilization}" for r in shape_runs
+                         if r.measured_verdict not in ("fits", *MEMORY_FAILURES)})
+        if not started and not failures:
+            outcome = f"vLLM stopped for its settings ({', '.join(others)})"
+        elif proposal is None:
+            outcome = "no utilization proposed" + (f"; vLLM started at {started[-1]}" if started else "")
+        elif any(u <= proposal for u in failures):
+            outcome = f"**vLLM failed at {max(u for u in failures if u <= proposal)}, at or below the proposal**"
+            failed_below.append(name)
+        elif any(u >= proposal for u in started):
+            supported += 1
+            top = started[-1]
+            outcome = "started at the proposal" if top == proposal else f"started at {top}, above it"
+        else:
+            untried += 1
+            outcome = "not tried at or above it" + (f"; started at {started[-1]}" if started else "")
+        rows.append(f"| {name} | {len(shape_runs)} | {', '.join(map(str, started)) or '-'} | "
+                    f"{', '.join(map(str, failures)) or '-'} | {proposal if proposal is not None else '-'} | {outcome} |")
+    return [
+        "## Today's proposal against every shape vLLM tried",
+        "",
+        "A shape is a run's settings and GPU but its utilization. For each shape run at two or more utilizations, or "
+        "where vLLM ran out of memory, the utilizations vLLM started and failed at (for memory) beside the largest "
+        "safe utilization today's plan proposes there. A failure at or below the proposal is a proposal that would "
+        "not start; a start at or above it shows that it does. The runs these outcomes come from include the ones "
+        "the proposal's terms were chosen on (listed above), so this table checks the proposal, it does not score it "
+        "out of sample.",
+        "",
+        f"- {len(rows)} shapes: vLLM started at or above the proposal on {supported}; failed at or below it on "
+        f"{len(failed_below)}" + (f" ({', '.join(failed_below)})" if failed_below else "")
+        + f"; not tried at or above it on {untried}.",
+        "",
+        "| shape (its shortest run name) | runs | started at | failed at (memory) | proposal | outcome |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *rows,
         "",
     ]
 
@@ -473,6 +550,7 @@ def render(runs: list[RunAccuracy]) -> str:
         f"- Fit runs' KV residual (not a user's error): median {statistics.median(kv_fit) * 100:.2f} %, max "
         f"{max(kv_fit) * 100:.2f} % over {len(kv_fit)} GPUs.",
         "",
+        *_proposal_lines(runs),
         *_capture_lines(),
         "## The bands the verdict takes against the pool (kimi_k3_serve/planning/bands.py)",
         "",

@@ -384,6 +384,19 @@ def test_verdict_right_on_every_run_that_ended(runs) -> None:
     assert 5 * sum(r.predicted_verdict == "at_risk" for r in validation) <= len(validation)
 
 
+def test_no_recorded_run_failed_for_memory_at_or_below_todays_proposal(runs) -> None:
+    """Where vLLM ran out of memory at a utilization, today's plan proposes less for the same settings on the same
+    GPU (docs/memory-accuracy.md "Today's proposal"): a proposal a recorded run already refutes is never shipped.
+    Rounds 44 and 46 (H100) failed at the proposals of their day, 0.925 and 0.955; today's are 0.905 and 0.95."""
+    failures = [r for r in runs.values() if r.rank == 0 and r.shape and r.measured_verdict in accuracy.MEMORY_FAILURES]
+    assert len(failures) >= 20
+    for failure in failures:
+        assert failure.proposal is None or failure.proposal < failure.utilization, (failure.name, failure.proposal)
+    proposals = {r.shape: r.proposal for r in runs.values() if r.shape}
+    assert proposals[runs["k4-tp1-b4096-s512-dspark3-u0925-h100"].shape] == 0.905
+    assert proposals[runs["k4-tp1-b2048-s256-dspark3-u0955-h100"].shape] == 0.95
+
+
 def test_estimates_are_pinned_to_the_h200_measurements(runs) -> None:
     r = runs["k4-tp1-serve-defaults-dspark"]
     assert abs(r.cuda_graph[0] - r.cuda_graph[1]) <= 0.1 * GiB  # vLLM's estimate: 3.55 GiB
