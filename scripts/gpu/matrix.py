@@ -633,6 +633,19 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b16384-s64-dspark3-u0985-h100", 4, tokens=16384, seqs=64, util=0.985, draft=DSPARK_3,
              role="validation", expected_s=170),
     ],
+    # Today's proposal where recorded runs bracket it (docs/memory-accuracy.md "Today's proposal"), fixed 2026-12-07
+    # (forty-first session) before they run: on an H100, 6,144 tokens over 256 with DSpark (0.915; round 25 failed at
+    # 0.925); on an H200, 6 layers at 8,192 over 768 with DSpark (0.89; started at 0.88, failed at 0.905) and 8 layers
+    # with no draft at 8,192 over 512 (0.93; started at 0.92).
+    "ranks-round39-h100": [
+        kimi("k4-tp1-b6144-s256-dspark-u0915-h100", 4, tokens=6144, seqs=256, util=0.915, role="validation",
+             expected_s=150),
+    ],
+    "ranks-round28": [
+        kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
+        kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
+             expected_s=150),
+    ],
     # Eight GPUs of one host: Kimi-K3's own TP degree, where each rank holds 12 of 96 KDA heads, the whole MLA cache
     # and an eighth of every expert, and the 2-node shape (TP x PP) at half scale on one node.
     "tp8": [
