@@ -231,14 +231,14 @@ def test_twelve_thousand_tokens_with_three_speculative_tokens_warm_up_as_planned
     autotune forward's peak. With that prefill weighed at its own moment (planning/memory.py
     ``_warmup_prefill_moments``) the plan called 0.925 "fits" and proposed it (added beside the other after-KV terms,
     it was "at risk", 0.02 GiB short). Since the capture's stand-in after FlashKDA's growth carries the error round 46
-    measured (``capture.CAPTURE_AFTER_GROWTH_ERROR``), 0.925 is "at risk" again, 0.28 GiB short within that band, and
-    0.92 is proposed: this capture went through with the stand-in 0.22 GiB inside the band, round 46's failed with it
-    0.44 GiB clear of it, so the band is where the plan cannot tell."""
+    measured (``capture.CAPTURE_AFTER_GROWTH_ERROR``), 0.925 is "at risk" again, within that band, and 0.915 is
+    proposed (0.92 with round 46's band alone): this capture went through with the stand-in 0.22 GiB left, round 47's
+    failed with 0.83 GiB left, so the band is where the plan cannot tell."""
     from kimi_k3_serve.planning.capture import CAPTURE_AFTER_GROWTH_ERROR
 
     report, reading = accuracy.predict_run(FIXTURES / "2026-12-06-round29" / "k4-tp1-b12288-s192-dspark3-u0925-h100")
     (rank,) = report.ranks
-    assert report.verdict == "at_risk" and report.safe_gpu_memory_utilization == 0.92
+    assert report.verdict == "at_risk" and report.safe_gpu_memory_utilization == 0.915
     assert 0 < rank.warmup_shortfall_bytes < CAPTURE_AFTER_GROWTH_ERROR
     kernels = next(p for p in reading.workers[0].warmup_peaks if p.scope == "warmup_kernels")
     assert kernels.allocated_peak_bytes == kernels.peak_at_entry_bytes  # the prefill stayed below the autotune's peak
@@ -435,15 +435,15 @@ def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accur
                         "k4-tp1-b4096-s128-eagle3mla-u097-h100": ("fits", "fits"),
                         "k4-tp1-b12288-s64-nodraft-u0985-h100": ("at_risk", "oom_at_warmup"),
                         "k4-tp1-b2048-s256-dspark3-u0945-h100": ("fits", "fits")}
-    # Both proposals are now above where they started (0.985 and 0.95): the drafter's step and the autotune's forward
-    # come before FlashKDA's growth, warmup's prefill is weighed at its own moment, and what is held after the KV cache
-    # takes its share of each moment's room (test_after_kv_terms_are_weighed_inside_each_warmup_moments_room), less
-    # the capture stand-in's error band. Tried above them: vLLM started at 0.99 (round 44) and ran out of memory in its
-    # real capture at 0.955 (round 46), where the plan now says "at risk".
-    for name, proposal in (("k4-tp1-b4096-s128-eagle3mla-u097-h100", 0.985),
-                           ("k4-tp1-b2048-s256-dspark3-u0945-h100", 0.95)):
+    # Both proposals are now at or above where they started (0.98 and 0.945): the drafter's step and the autotune's
+    # forward come before FlashKDA's growth, warmup's prefill is weighed at its own moment, and what is held after the
+    # KV cache takes its share of each moment's room (test_after_kv_terms_are_weighed_inside_each_warmup_moments_room),
+    # less the capture stand-in's error band. Tried above them: vLLM started at 0.98 and 0.99 (rounds 51 and 44), and
+    # ran out of memory in its real capture at 0.95 and 0.955 (rounds 47 and 46), where the plan now says "at risk".
+    for name, proposal in (("k4-tp1-b4096-s128-eagle3mla-u097-h100", 0.98),
+                           ("k4-tp1-b2048-s256-dspark3-u0945-h100", 0.945)):
         report, _ = runs[name]
-        assert report.safe_gpu_memory_utilization == proposal > report.engine.gpu_memory_utilization
+        assert report.safe_gpu_memory_utilization == proposal >= report.engine.gpu_memory_utilization
 
     report, reading = runs["k4-tp1-b16384-s128-eagle3mla-u0915-h100"]
     (rank,) = report.ranks
