@@ -61,3 +61,25 @@ def test_a_warmup_that_ran_out_of_memory_says_so() -> None:
     (w,) = parse_vllm_log(_line("flashinfer_autotune", 74 * GiB, 77 * GiB, 70 * GiB, True)).workers
     (p,) = w.warmup_peaks
     assert p.failed and p.transient_bytes == 3 * GiB
+
+
+def test_an_out_of_memory_the_engine_went_on_after_is_said_beside_the_verdict() -> None:
+    """Round 48 (H100, 3 speculative tokens at 16,384 over 64, at the proposal 0.985) started, but FlashInfer's
+    autotuner asked for 2.06 GiB with 1.54 GiB free and skipped that tactic: the table says the start was at vLLM's
+    edge. Round 47's failed start keeps its one out-of-memory as the failure, not as a caught one."""
+    from pathlib import Path
+
+    from kimi_k3_serve import recorded
+    from kimi_k3_serve.rehearsal.compare import Comparison, render_table
+
+    fixtures = Path(__file__).parent / "fixtures" / "gpu"
+    text = recorded.read_text(fixtures / "2026-12-07-round48" / "k4-tp1-b16384-s64-dspark3-u0985-h100" / "vllm.log")
+    reading = parse_vllm_log(text)
+    assert reading.started
+    (caught,) = reading.caught_ooms
+    assert (caught.step, caught.tried_bytes, caught.free_bytes) == ("warmup", 2214592512, 1652752384)
+    table = render_table(Comparison((), "fits", "fits", 1.0, 1.0, None, (caught.to_json(),)), [])
+    assert "vLLM went on after an allocation of 2.06 GiB failed with 1.54 GiB free during warmup" in table
+    failed = parse_vllm_log(recorded.read_text(
+        fixtures / "2026-12-07-round47" / "k4-tp1-b2048-s256-dspark3-u095-h100" / "vllm.log"))
+    assert failed.oom is not None and failed.caught_ooms == ()

@@ -124,6 +124,8 @@ class Comparison:
     predicted_concurrency: float
     measured_concurrency: float | None
     oom: dict[str, Any] | None
+    caught_ooms: tuple[dict[str, Any], ...] = ()
+    """Allocations that failed for memory where vLLM went on (``EngineReading.caught_ooms``)."""
 
     @property
     def verdicts_agree(self) -> bool:
@@ -133,7 +135,7 @@ class Comparison:
         return {"ranks": [r.to_json() for r in self.ranks], "predicted_verdict": self.predicted_verdict,
                 "measured_verdict": self.measured_verdict, "verdicts_agree": self.verdicts_agree,
                 "predicted_concurrency": self.predicted_concurrency, "measured_concurrency": self.measured_concurrency,
-                "oom": self.oom}
+                "oom": self.oom, "caught_ooms": list(self.caught_ooms)}
 
 
 def measured_verdict(reading: EngineReading) -> str:
@@ -181,6 +183,7 @@ def compare(report: Any, reading: EngineReading) -> Comparison:
         ranks=tuple(ranks), predicted_verdict=report.verdict, measured_verdict=measured_verdict(reading),
         predicted_concurrency=report.max_concurrency, measured_concurrency=reading.max_concurrency,
         oom=reading.oom.to_json() if reading.oom else None,
+        caught_ooms=tuple(o.to_json() for o in reading.caught_ooms),
     )
 
 
@@ -216,4 +219,8 @@ def render_table(comparison: Comparison, gpu_of_rank: Sequence[str] | None = Non
         o = comparison.oom
         tried = f", tried to allocate {_gib(o['tried_bytes'])} GiB with {_gib(o['free_bytes'])} GiB free" if o.get("tried_bytes") else ""
         lines.append(f"vLLM ran out of memory during {o['step']}{tried}")
+    for o in comparison.caught_ooms:
+        lines.append(f"vLLM went on after an allocation of {_gib(o['tried_bytes'])} GiB failed with "
+                     f"{_gib(o['free_bytes'])} GiB free during {o['step']} (FlashInfer's autotuner skips a tactic it "
+                     "cannot fit): this utilization is at vLLM's edge, and that tactic went untried")
     return "\n".join(lines)

@@ -213,6 +213,9 @@ class EngineReading:
     last_step: str = "start"
     oom: OomEvent | None = None
     errors: tuple[str, ...] = field(default_factory=tuple)
+    caught_ooms: tuple[OomEvent, ...] = ()
+    """Allocations that failed for memory where the engine went on (FlashInfer's autotuner skips a tactic it cannot
+    fit): the start reached them at its edge. Each once, in the order logged."""
 
     @property
     def started(self) -> bool:
@@ -226,7 +229,7 @@ class EngineReading:
             "workers": [w.to_json() for w in self.workers], "kv_cache_tokens": self.kv_cache_tokens,
             "max_model_len": self.max_model_len, "max_concurrency": self.max_concurrency, "init_seconds": self.init_seconds,
             "last_step": self.last_step, "started": self.started, "oom": self.oom.to_json() if self.oom else None,
-            "errors": list(self.errors),
+            "errors": list(self.errors), "caught_ooms": [o.to_json() for o in self.caught_ooms],
         }
 
 
@@ -242,6 +245,7 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
     step_index = 0
     oom: OomEvent | None = None
     allocator_oom: OomEvent | None = None
+    allocator_ooms: list[OomEvent] = []
     errors: list[str] = []
 
     def worker(pid: int | None) -> dict[str, Any]:
@@ -320,6 +324,9 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
             allocator_oom = OomEvent(step=STEPS[step_index], pid=pid, tried_bytes=int(alloc[2]),
                                      free_bytes=int(alloc[3]), device_index=int(alloc[1]),
                                      message=line.strip()[-400:])
+            if not any(o.tried_bytes == allocator_oom.tried_bytes and o.free_bytes == allocator_oom.free_bytes
+                       for o in allocator_ooms):  # the allocator logs one failure on two lines at times
+                allocator_ooms.append(allocator_oom)
         if oom is None and _OOM_PLAIN.search(line):
             detail = _OOM.search(line)
             step = STEPS[step_index]
@@ -351,7 +358,9 @@ def parse_vllm_log(text: str, device_total_bytes: int | None = None) -> EngineRe
             w.setdefault("cuda_graph_estimate_bytes", round(fraction * total))
     readings = tuple(WorkerReading(**workers[k]) for k in order if k != -1 or len(workers[k]) > 1)
     readings = tuple(sorted(readings, key=lambda w: (w.rank is None, w.rank if w.rank is not None else 0, w.pid)))
-    return EngineReading(workers=readings, last_step=STEPS[step_index], oom=oom, errors=tuple(errors), **engine)
+    caught = tuple(allocator_ooms) if oom is None else ()
+    return EngineReading(workers=readings, last_step=STEPS[step_index], oom=oom, errors=tuple(errors),
+                         caught_ooms=caught, **engine)
 
 
 def captures_against_estimates(text: str) -> list[tuple[int, int]]:
