@@ -641,6 +641,21 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b6144-s256-dspark-u0915-h100", 4, tokens=6144, seqs=256, util=0.915, role="validation",
              expected_s=150),
     ],
+    # The proposals the capture stand-in's wider band (0.875 GiB, round 47) set, fixed 2026-12-07 (forty-first
+    # session) before they run, for an H100 80GB: the MLA EAGLE3 at 8,192 over 256 (0.97; 0.975 started in round 48)
+    # and 3 speculative tokens at three token budgets and request counts no run has had (3,072 / 384 at 0.925,
+    # 2,048 / 128 at 0.965, 4,096 / 256 at 0.935): shapes the candidate for the capture's own moment
+    # (docs/capture-moment.md) was not fitted on.
+    "ranks-round40-h100": [
+        kimi("k4-tp1-b8192-s256-eagle3mla-u097-h100", 4, tokens=8192, seqs=256, util=0.97, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b3072-s384-dspark3-u0925-h100", 4, tokens=3072, seqs=384, util=0.925, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b2048-s128-dspark3-u0965-h100", 4, tokens=2048, seqs=128, util=0.965, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b4096-s256-dspark3-u0935-h100", 4, tokens=4096, seqs=256, util=0.935, draft=DSPARK_3,
+             role="validation", expected_s=150),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
