@@ -457,35 +457,42 @@ def _proposal_lines(runs: list[RunAccuracy]) -> list[str]:
     for shape_runs in shapes.values():
         started = sorted(r.utilization for r in shape_runs if r.measured_verdict == "fits")
         failures = sorted(r.utilization for r in shape_runs if r.measured_verdict in MEMORY_FAILURES)
-        proposal = shape_runs[-1].proposal  # the same settings on the same GPU: one proposal
-        if len(shape_runs) < 2 and not failures and (proposal is None or started[-1:] < [proposal]):
+        # Each run against its own proposal: the GPU's free memory at the start, and so the proposal, can differ.
+        failed_at = [r.utilization for r in shape_runs
+                     if r.measured_verdict in MEMORY_FAILURES and r.proposal is not None and r.utilization <= r.proposal]
+        started_at = [r.utilization for r in shape_runs
+                      if r.measured_verdict == "fits" and r.proposal is not None and r.utilization >= r.proposal]
+        proposals = sorted({r.proposal for r in shape_runs if r.proposal is not None})
+        proposal = "-" if not proposals else " to ".join(map(str, proposals[::max(1, len(proposals) - 1)]))
+        if len(shape_runs) < 2 and not failures and not started_at:
             continue  # one run, below the proposal: it says nothing of it
         name = min((r.name for r in shape_runs), key=len)
         others = sorted({f"{r.measured_verdict} at {r.utilization}" for r in shape_runs
                          if r.measured_verdict not in ("fits", *MEMORY_FAILURES)})
         if not started and not failures:
             outcome = f"vLLM stopped for its settings ({', '.join(others)})"
-        elif proposal is None:
+        elif not proposals:
             outcome = "no utilization proposed" + (f"; vLLM started at {started[-1]}" if started else "")
-        elif any(u <= proposal for u in failures):
-            outcome = f"**vLLM failed at {max(u for u in failures if u <= proposal)}, at or below the proposal**"
+        elif failed_at:
+            outcome = f"**vLLM failed at {max(failed_at)}, at or below the proposal**"
             failed_below.append(name)
-        elif any(u >= proposal for u in started):
+        elif started_at:
             supported += 1
-            top = started[-1]
-            outcome = "started at the proposal" if top == proposal else f"started at {top}, above it"
+            top = max(started_at)
+            outcome = "started at the proposal" if top == proposals[0] else f"started at {top}, above it"
         else:
             untried += 1
             outcome = "not tried at or above it" + (f"; started at {started[-1]}" if started else "")
         rows.append(f"| {name} | {len(shape_runs)} | {', '.join(map(str, started)) or '-'} | "
-                    f"{', '.join(map(str, failures)) or '-'} | {proposal if proposal is not None else '-'} | {outcome} |")
+                    f"{', '.join(map(str, failures)) or '-'} | {proposal} | {outcome} |")
     return [
         "## Today's proposal against every shape vLLM tried",
         "",
         "A shape is a run's settings and GPU but its utilization. For each shape run at two or more utilizations, or "
-        "where vLLM ran out of memory or started at or above the proposal, the utilizations vLLM started and failed at (for memory) beside the largest "
-        "safe utilization today's plan proposes there. A failure at or below the proposal is a proposal that would "
-        "not start; a start at or above it shows that it does. The runs these outcomes come from include the ones "
+        "where vLLM ran out of memory or started at or above the proposal, the utilizations vLLM started and failed "
+        "at (for memory) beside the largest safe utilization today's plan proposes there (a range where the runs "
+        "began with different free memory; each run is held to its own). A failure at or below the proposal is a "
+        "proposal that would not start; a start at or above it shows that it does. The runs these outcomes come from include the ones "
         "the proposal's terms were chosen on (listed above), so this table checks the proposal, it does not score it "
         "out of sample.",
         "",
