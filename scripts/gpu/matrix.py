@@ -656,6 +656,16 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b4096-s256-dspark3-u0935-h100", 4, tokens=4096, seqs=256, util=0.935, draft=DSPARK_3,
              role="validation", expected_s=150),
     ],
+    # Fit runs for the MLA EAGLE3 drafter's own CUDA graphs (fixed 2026-12-07, forty-second session, before they run,
+    # for an H100 80GB): the plan charges each drafter graph the target's per-graph cost, never fitted on an EAGLE3
+    # run, and its estimate is 0.11 GiB over vLLM's at 128 requests (119 drafter graphs) and 0.16 GiB at 256. Two
+    # request counts far apart, 32 and 512, give the drafter's decode graphs a wide range; 4,096 and 8,192 tokens.
+    "ranks-round41-h100": [
+        kimi("k4-tp1-b4096-s32-eagle3mla-u095-h100", 4, tokens=4096, seqs=32, util=0.95, draft=EAGLE3_MLA,
+             role="fit", expected_s=170),
+        kimi("k4-tp1-b8192-s512-eagle3mla-u092-h100", 4, tokens=8192, seqs=512, util=0.92, draft=EAGLE3_MLA,
+             role="fit", expected_s=170),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
