@@ -80,6 +80,28 @@ def test_an_out_of_memory_the_engine_went_on_after_is_said_beside_the_verdict() 
     assert (caught.step, caught.tried_bytes, caught.free_bytes) == ("warmup", 2214592512, 1652752384)
     table = render_table(Comparison((), "fits", "fits", 1.0, 1.0, None, (caught.to_json(),)), [])
     assert "vLLM went on after an allocation of 2.06 GiB failed with 1.54 GiB free during warmup" in table
+    assert "autotuner skips a tactic it cannot fit" in table
     failed = parse_vllm_log(recorded.read_text(
         fixtures / "2026-12-07-round47" / "k4-tp1-b2048-s256-dspark3-u095-h100" / "vllm.log"))
     assert failed.oom is not None and failed.caught_ooms == ()
+
+
+def test_an_out_of_memory_the_capture_went_on_after_is_not_called_the_autotuners() -> None:
+    """Round 53 (H100, 3 speculative tokens at 2,048 over 128, at the proposal 0.965) started, but as DSpark's first
+    graph was captured the caching allocator twice failed to allocate (40 and 38 MiB with 26 and 34 MiB free),
+    released its cached blocks and went on: the table says the start was at vLLM's edge, and why it went on."""
+    from pathlib import Path
+
+    from kimi_k3_serve import recorded
+    from kimi_k3_serve.rehearsal.compare import Comparison, render_table
+
+    fixtures = Path(__file__).parent / "fixtures" / "gpu"
+    text = recorded.read_text(fixtures / "2026-12-07-round53" / "k4-tp1-b2048-s128-dspark3-u0965-h100" / "vllm.log")
+    reading = parse_vllm_log(text)
+    assert reading.started and reading.oom is None
+    assert [(o.step, o.tried_bytes, o.free_bytes) for o in reading.caught_ooms] == [
+        ("cuda_graphs", 41943040, 27459584), ("cuda_graphs", 39845888, 35848192)]
+    table = render_table(Comparison((), "fits", "fits", 1.0, 1.0, None,
+                                    tuple(o.to_json() for o in reading.caught_ooms)), [])
+    assert "GiB free during cuda_graphs (the caching allocator released its cached blocks" in table
+    assert "autotuner" not in table

@@ -198,6 +198,15 @@ def _err(row: Row) -> str:
     return f"{row.error_bytes / GiB:+.2f}{pct}"
 
 
+def _why_it_went_on(step: str) -> str:
+    """What let vLLM 0.32 go on after a failed allocation, by the step it failed in: in warmup, FlashInfer's
+    autotuner skips the tactic it cannot fit (round 48, H100); in the capture, the caching allocator released its
+    cached blocks and the retry fitted (round 53: DSpark's first graph, 40 MiB asked for with 26 MiB free)."""
+    if step == "cuda_graphs":
+        return "the caching allocator released its cached blocks and the capture's retry fitted"
+    return "FlashInfer's autotuner skips a tactic it cannot fit, and that tactic went untried"
+
+
 def render_table(comparison: Comparison, gpu_of_rank: Sequence[str] | None = None) -> str:
     """Per GPU: predicted, measured and error (GiB, and % of measured) for every row."""
     lines = [f"{'GPU':<10} {'stage':>5}  {'what':<20} {'plan GiB':>10} {'vLLM GiB':>10} {'error GiB':>16}"]
@@ -221,6 +230,6 @@ def render_table(comparison: Comparison, gpu_of_rank: Sequence[str] | None = Non
         lines.append(f"vLLM ran out of memory during {o['step']}{tried}")
     for o in comparison.caught_ooms:
         lines.append(f"vLLM went on after an allocation of {_gib(o['tried_bytes'])} GiB failed with "
-                     f"{_gib(o['free_bytes'])} GiB free during {o['step']} (FlashInfer's autotuner skips a tactic it "
-                     "cannot fit): this utilization is at vLLM's edge, and that tactic went untried")
+                     f"{_gib(o['free_bytes'])} GiB free during {o['step']} ({_why_it_went_on(o['step'])}): this "
+                     "utilization is at vLLM's edge")
     return "\n".join(lines)

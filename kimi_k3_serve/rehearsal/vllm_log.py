@@ -215,7 +215,8 @@ class EngineReading:
     errors: tuple[str, ...] = field(default_factory=tuple)
     caught_ooms: tuple[OomEvent, ...] = ()
     """Allocations that failed for memory where the engine went on (FlashInfer's autotuner skips a tactic it cannot
-    fit): the start reached them at its edge. Each once, in the order logged."""
+    fit; in the capture, the caching allocator releases its cached blocks and retries): the start reached them at its
+    edge. Each once, in the order logged."""
 
     @property
     def started(self) -> bool:
