@@ -24,15 +24,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from memory_accuracy import run_dirs  # noqa: E402
 from kimi_k3_serve import recorded  # noqa: E402
 from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log  # noqa: E402
-from kimi_k3_serve.units import GiB  # noqa: E402
+from kimi_k3_serve.units import GiB, MiB  # noqa: E402
 
-FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 _KDA_GROWTH = re.compile(r"Resized workspace from 'kda\.py:\d+:_forward': ([\d.]+) MB -> ([\d.]+) MB")
 _GRAPHS = re.compile(r"Capturing (CUDA|dspark CUDA) graphs \((PIECEWISE|FULL)\):\s+\d+%\|[^|]*\|\s*\d+/(\d+)")
-_MB = 2**20
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def capture_room(run_dir: Path) -> CaptureRoom | None:
     # Warmup, then the real capture: the profile's own captures and FlashKDA's sizes before it are in the budget.
     after_warmup = text[text.index("KIMI_K3_REHEARSAL_WARMUP_PEAK"):]
     growth = _KDA_GROWTH.search(after_warmup)
-    grown = round((float(growth.group(2)) - float(growth.group(1))) * _MB) if growth else 0
+    grown = round((float(growth.group(2)) - float(growth.group(1))) * MiB) if growth else 0
     counts = {("dspark" if kind.startswith("dspark") else "target", mode): int(n)
               for kind, mode, n in _GRAPHS.findall(after_warmup)}
     host = json.loads((run_dir.parent / "host.json").read_text())
@@ -78,8 +78,7 @@ def capture_room(run_dir: Path) -> CaptureRoom | None:
 
 
 def capture_rooms() -> list[CaptureRoom]:
-    dirs = sorted(d for d in FIXTURES.glob("*/*") if recorded.exists(d / "vllm.log"))
-    return [room for d in dirs if (room := capture_room(d)) is not None]
+    return [room for d in run_dirs() if (room := capture_room(d)) is not None]
 
 
 def main() -> int:
