@@ -666,6 +666,19 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b8192-s512-eagle3mla-u092-h100", 4, tokens=8192, seqs=512, util=0.92, draft=EAGLE3_MLA,
              role="fit", expected_s=170),
     ],
+    # Just above the proposals rounds 52, 53 and 55 started at (fixed 2026-12-07, forty-second session, before they
+    # run, for an H100 80GB), where the plan says "at risk" (the capture stand-in's band): 2,048 / 128 at 0.97, where
+    # the capture's room replayed from round 53 (docs/capture-moment.md section 6) is 0.39 GiB under what round 53
+    # needed; 3,072 / 384 at 0.935, inside the bracket of the capture's own need; 4,096 / 256 at 0.945, 0.68 GiB clear
+    # of it. vLLM fails as predicted, or the report says by how much the plan was conservative.
+    "ranks-round42-h100": [
+        kimi("k4-tp1-b2048-s128-dspark3-u097-h100", 4, tokens=2048, seqs=128, util=0.97, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b3072-s384-dspark3-u0935-h100", 4, tokens=3072, seqs=384, util=0.935, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b4096-s256-dspark3-u0945-h100", 4, tokens=4096, seqs=256, util=0.945, draft=DSPARK_3,
+             role="validation", expected_s=150),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
