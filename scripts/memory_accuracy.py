@@ -267,8 +267,9 @@ LENT_HOST_ENV = {"NCCL_NVLS_ENABLE": "0"}
 multicast), so no recorded run had NCCL NVLS buffers."""
 
 
-def predict_run(run_dir: Path):
-    """(memory report, vLLM reading) of one recorded run, predicted with today's model on the run's GPU."""
+def predict_run(run_dir: Path, flags: list[str] | None = None):
+    """(memory report, vLLM reading) of one recorded run, predicted with today's model on the run's GPU; ``flags``
+    are the run's recorded flags where the caller has read them already (``_recorded_flags``)."""
     from kimi_k3_serve.cluster.nvml import parse_readings
     from kimi_k3_serve.planning.layout import RankDevice
     from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log
@@ -280,7 +281,7 @@ def predict_run(run_dir: Path):
     free = worker.free_at_start_bytes if worker and worker.free_at_start_bytes else total
     (gpu, *_), _ = parse_readings(host["nvml"])  # the run's GPU as NVML read it on the host
     device = RankDevice(total, gpu.compute_capability, free_bytes=free, name=gpu.name)
-    return predict_flags(_recorded_flags(run_dir), device), reading
+    return predict_flags(flags if flags is not None else _recorded_flags(run_dir), device), reading
 
 
 def predict_flags(flags: list[str], device):
@@ -335,7 +336,7 @@ def accuracy(run_dir: Path) -> list[RunAccuracy]:
     flags = _recorded_flags(run_dir)
     utilization, shape = _utilization_and_shape(run_dir, flags)
     try:
-        report, reading = predict_run(run_dir)
+        report, reading = predict_run(run_dir, flags)
     except ConfigError as error:  # today's plan refuses the settings the run used
         reading = parse_vllm_log(recorded.read_text(run_dir / "vllm.log", errors="replace"))
         w = reading.workers[0] if reading.workers else None
@@ -458,8 +459,8 @@ def _proposal_lines(runs: list[RunAccuracy]) -> list[str]:
         started = sorted(r.utilization for r in shape_runs if r.measured_verdict == "fits")
         failures = sorted(r.utilization for r in shape_runs if r.measured_verdict in MEMORY_FAILURES)
         # Each run against its own proposal: the GPU's free memory at the start, and so the proposal, can differ.
-        failed_at = [r.utilization for r in shape_runs
-                     if r.measured_verdict in MEMORY_FAILURES and r.proposal is not None and r.utilization <= r.proposal]
+        failed_at = [r.utilization for r in shape_runs if r.measured_verdict in MEMORY_FAILURES
+                     and r.proposal is not None and r.utilization <= r.proposal]
         started_at = [r.utilization for r in shape_runs
                       if r.measured_verdict == "fits" and r.proposal is not None and r.utilization >= r.proposal]
         proposals = sorted({r.proposal for r in shape_runs if r.proposal is not None})
@@ -492,9 +493,9 @@ def _proposal_lines(runs: list[RunAccuracy]) -> list[str]:
         "where vLLM ran out of memory or started at or above the proposal, the utilizations vLLM started and failed "
         "at (for memory) beside the largest safe utilization today's plan proposes there (a range where the runs "
         "began with different free memory; each run is held to its own). A failure at or below the proposal is a "
-        "proposal that would not start; a start at or above it shows that it does. The runs these outcomes come from include the ones "
-        "the proposal's terms were chosen on (listed above), so this table checks the proposal, it does not score it "
-        "out of sample.",
+        "proposal that would not start; a start at or above it shows that it does. The runs these outcomes come "
+        "from include the ones the proposal's terms were chosen on (listed above), so this table checks the "
+        "proposal, it does not score it out of sample.",
         "",
         f"- {len(rows)} shapes: vLLM started at or above the proposal on {supported}; failed at or below it on "
         f"{len(failed_below)}" + (f" ({', '.join(failed_below)})" if failed_below else "")
