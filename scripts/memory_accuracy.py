@@ -72,6 +72,10 @@ FIT_RUNS = {
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 READ_BEFORE_A_CHANGE = {
+    "k4-tp1-b6144-s384-nodraft-u096-expseg-h100": "called \"does not fit\" (capturing its largest CUDA graph), where "
+                                                  "vLLM started under PyTorch's expandable segments: the plan did not "
+                                                  "read the setting; the capture's reserve under it was chosen on "
+                                                  "this run (planning/capture.py, 2026-12-07)",
     "k4-tp1-b2048-s96-nodraft-h100": "KV pool 17.38 / 16.56 GiB (+4.96 %), CUDA-graph estimate 0.44 / 1.27 GiB: FlashKDA "
                                      "grew vLLM's workspace while its CUDA graphs were profiled, before the KV cache, "
                                      "where the plan had it after (planning/memory.py _flashkda_runs_in_graph_profile, "

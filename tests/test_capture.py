@@ -9,7 +9,12 @@ import pytest
 
 from conftest import load_script
 from kimi_k3_serve import recorded
-from kimi_k3_serve.planning.capture import capture_prefill_requests, gathered_states_bytes, warmup_prefill_requests
+from kimi_k3_serve.planning.capture import (
+    capture_prefill_requests,
+    expandable_segments,
+    gathered_states_bytes,
+    warmup_prefill_requests,
+)
 
 ACCURACY = load_script("memory_accuracy")
 ROUND30 = ACCURACY.FIXTURES / "2026-12-06-round30"
@@ -73,6 +78,41 @@ def test_between_the_reserves_ends_the_capture_is_at_risk() -> None:
     assert 0 < rank.warmup_shortfall_bytes <= rank.warmup_band_bytes
     assert report.verdict == "at_risk" and report.safe_gpu_memory_utilization == 0.905
     assert any(n.startswith("at risk: vLLM may OOM in warmup") for n in report.notes)
+
+
+@pytest.mark.parametrize("env, expandable", [
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512, expandable_segments:True"}, True),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:true"}, False),  # PyTorch takes only True or False
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, False),
+    ({}, False),
+    (None, False),
+])
+def test_expandable_segments_are_read_where_pytorch_reads_them(env, expandable) -> None:
+    assert expandable_segments(env) is expandable
+
+
+def test_round_30s_failed_shape_started_under_expandable_segments_and_the_plan_says_why() -> None:
+    """Round 59 (H100, validation, fixed before it ran): round 30's shape and utilization (no draft, 6,144 tokens over
+    384, 0.96) with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``. vLLM captured its graphs where round 30 ran
+    out of memory on the 2.25 GiB gather with 2.27 GiB cached in segments still in use. The plan reads the setting
+    from the run's ``--env`` and weighs the gather with the reserve that run measured (in sample: chosen on it): it
+    "fits", and the proposal is where it started; the same flags without it still do not fit."""
+    from kimi_k3_serve.rehearsal.compare import measured_verdict
+
+    expandable = ACCURACY.FIXTURES / "2026-12-07-round59" / "k4-tp1-b6144-s384-nodraft-u096-expseg-h100"
+    report, reading = ACCURACY.predict_run(expandable)
+    assert report.engine.env_vars["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert (report.verdict, measured_verdict(reading)) == ("fits", "fits")
+    assert report.safe_gpu_memory_utilization == 0.96
+    capture = next(e for e in report.estimates if e.name == "capture_kda_gather")
+    assert "1.05 times it (where vLLM started under expandable segments; at risk down to 0.00)" in capture.basis
+    cached, _ = ACCURACY.predict_run(ROUND30 / "k4-tp1-b6144-s384-nodraft-u096-h100")
+    assert cached.verdict == "oom_at_warmup"
+    assert [e.bytes for e in report.estimates if e.name != "capture_kda_gather"] == [
+        e.bytes for e in cached.estimates if e.name != "capture_kda_gather"]
 
 
 @pytest.mark.parametrize("seqs, tokens, query_len, num_blocks, per_request, requests", [

@@ -345,15 +345,11 @@ VERDICT_MISSES: dict[str, str] = {}
 (H100, 3 speculative tokens, 2,048 over 256, at the proposals of their day, 0.955 and 0.95) were two, out of sample,
 until their errors set the band of the capture's stand-in (``capture.CAPTURE_AFTER_GROWTH_ERROR``); "at risk" since."""
 
-REFUSED_WHERE_SERVED: dict[str, str] = {
-    "k4-tp1-b6144-s384-nodraft-u096-expseg-h100": "round 30's failed shape and utilization with PyTorch's expandable "
-                                                  "segments (round 59, H100): vLLM started; the plan does not read the "
-                                                  "setting and weighs the capture's gathered states with the reserve "
-                                                  "of cached blocks that round 30 ran out of memory with",
-}
+REFUSED_WHERE_SERVED: dict[str, str] = {}
 """Validation runs the plan called "does not fit" where vLLM started (the safe side): listed, so that none is added
-unseen. None from the moment the after-KV terms were weighed inside each warmup moment's room (round 42's stage 1 at
-0.97, 0.57 GiB short before, fits with 0.58 GiB to spare: tests/test_warmup.py) until round 59."""
+unseen. None since the after-KV terms are weighed inside each warmup moment's room (round 42's stage 1 at 0.97, 0.57
+GiB short before, fits with 0.58 GiB to spare: tests/test_warmup.py), but round 59, round 30's failed shape with
+PyTorch's expandable segments, until the plan read that setting (planning/capture.py, chosen on it: "fits" now)."""
 
 
 def test_verdict_right_on_every_run_that_ended(runs) -> None:

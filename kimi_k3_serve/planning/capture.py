@@ -23,6 +23,8 @@ H100: out of memory on a later KDA layer's 2.75 GiB gather with 2.78 GiB cached)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kimi_k3_serve.units import GiB
 
 CAPTURE_RESERVE_FRACTION = 2.85
@@ -42,6 +44,19 @@ CAPTURE_RESERVE_FRACTION_LOW = 1.1
 """The low end of the capture reserve's band: the failed capture had 1.09 times its request left; below 1.1 the
 verdict is "does not fit"."""
 
+CAPTURE_RESERVE_FRACTION_EXPANDABLE = 1.05
+"""``CAPTURE_RESERVE_FRACTION`` under PyTorch's expandable segments (``expandable_segments``), where the allocator
+maps and unmaps a segment's pages as they are used, so a block cached inside a segment still in use is no longer
+lost to a large request. Round 59 (H100, validation, fixed in the thirty-ninth session before it ran): round 30's
+failed shape and utilization with the setting started, with 1.09 times the gathered states left beyond them in the
+plan's terms, where round 30 ran out of memory with the same. Chosen on that one run (2026-12-07), so in sample:
+"fits" takes its room, rounded down; below it the verdict is "at risk" down to
+``CAPTURE_RESERVE_FRACTION_EXPANDABLE_LOW``. Kernel warmup's prefill step keeps ``CAPTURE_RESERVE_FRACTION``: no run
+has measured it under the setting."""
+CAPTURE_RESERVE_FRACTION_EXPANDABLE_LOW = 0.0
+"""The low end under expandable segments: no room beyond the request itself. No run has failed under the setting,
+so the band reaches down to where the request alone no longer fits."""
+
 CAPTURE_AFTER_GROWTH_ERROR = 7 * GiB // 8
 """The error band of the capture's stand-in once FlashKDA has grown in warmup's prefill (planning/memory.py
 ``estimate_memory``: the autotune's forward with the growth held beside it), as measured where it failed, on an H100
@@ -55,13 +70,35 @@ capture's own moment (the graph pools captured so far, the next graph's eager fo
 2,048 tokens the pools, not the autotune's forward, set it."""
 
 
-def gather_outside_budget(gathered: int, beside: int, room: int) -> tuple[int, int]:
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""Where PyTorch reads its allocator's options, the first one set winning (``PYTORCH_CUDA_ALLOC_CONF`` is the older
+name): comma-separated ``option:value`` pairs."""
+
+
+def expandable_segments(env_vars: Mapping[str, str] | None) -> bool:
+    """Whether the engine's environment turns on the caching allocator's expandable segments
+    (``expandable_segments:True``)."""
+    conf = next((env_vars[name] for name in ALLOC_CONF_VARIABLES if name in (env_vars or {})), "")
+    options = dict(item.partition(":")[::2] for item in conf.replace(" ", "").split(",") if item)
+    return options.get("expandable_segments") == "True"
+
+
+def gather_reserve(expandable: bool) -> tuple[float, float]:
+    """The allocator's reserve beside gathered states, as (the "fits" point, the low end of its band), in times the
+    states: ``CAPTURE_RESERVE_FRACTION`` and its low end, or, under expandable segments, their ``_EXPANDABLE``
+    values."""
+    if expandable:
+        return CAPTURE_RESERVE_FRACTION_EXPANDABLE, CAPTURE_RESERVE_FRACTION_EXPANDABLE_LOW
+    return CAPTURE_RESERVE_FRACTION, CAPTURE_RESERVE_FRACTION_LOW
+
+
+def gather_outside_budget(gathered: int, beside: int, room: int, expandable: bool = False) -> tuple[int, int]:
     """What a step whose KDA layers gather ``gathered`` bytes of recurrent states needs outside the budget, beside
-    ``beside`` bytes of its other transients, with the allocator's reserve (``CAPTURE_RESERVE_FRACTION`` times the
-    states) once ``room`` (what the budget leaves a step's transients) is spent; and the part of it within the
-    reserve's measured band."""
-    over = max(0, beside + int((1 + CAPTURE_RESERVE_FRACTION) * gathered) - room)
-    return over, min(over, int((CAPTURE_RESERVE_FRACTION - CAPTURE_RESERVE_FRACTION_LOW) * gathered))
+    ``beside`` bytes of its other transients, with the allocator's reserve (``gather_reserve``) once ``room`` (what
+    the budget leaves a step's transients) is spent; and the part of it within the reserve's measured band."""
+    reserve, low = gather_reserve(expandable)
+    over = max(0, beside + int((1 + reserve) * gathered) - room)
+    return over, min(over, int((reserve - low) * gathered))
 
 
 def capture_prefill_requests(max_num_seqs: int, decode_query_len: int, largest_capture: int) -> int:

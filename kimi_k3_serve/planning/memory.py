@@ -44,7 +44,9 @@ from kimi_k3_serve.planning.capture import (
     CAPTURE_RESERVE_FRACTION,
     CAPTURE_RESERVE_FRACTION_LOW,
     capture_prefill_requests,
+    expandable_segments,
     gather_outside_budget,
+    gather_reserve,
     gathered_states_bytes,
     warmup_prefill_requests,
 )
@@ -1557,13 +1559,17 @@ def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSetting
     gather = requests * _gathered_state_bytes(model, layout, engine, start, end)
     if not gather:
         return 0, 0
-    capture, band = gather_outside_budget(gather, held, act + graphs_free - since)
+    expandable = expandable_segments(engine.env_vars)
+    reserve, low = gather_reserve(expandable)
+    capture, band = gather_outside_budget(gather, held, act + graphs_free - since, expandable)
     estimates.append(Estimate("capture_kda_gather", stage, capture, 0,
                               f"the CUDA-graph capture after warmup, at its largest graph ({largest} tokens over "
                               f"{requests} requests, KDA's prefill path): {gather / GiB:.2f} GiB of gathered recurrent "
                               f"states in one request (vLLM gather_initial_states) and the allocator's reserve, "
-                              f"{CAPTURE_RESERVE_FRACTION:.2f} times it ({CAPTURE_RESERVE_FRACTION_LOW:.2f} to "
-                              f"{CAPTURE_RESERVE_FRACTION:.2f} measured), less the profile's transient peak and the "
+                              f"{reserve:.2f} times it ("
+                              f"{'where vLLM started under expandable segments' if expandable else 'measured'}; "
+                              f"at risk down to {low:.2f}), less the profile's transient "
+                              f"peak and the "
                               f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured: "
                               f"{capture / GiB:.2f} GiB outside the budget"))
     return capture, band
