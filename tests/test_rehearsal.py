@@ -371,8 +371,9 @@ def test_verdict_right_on_every_run_that_ended(runs) -> None:
     # reserve's band and the MLA prefill path's reserve were measured with (at the low end of each); within the capture
     # stand-in's error band after FlashKDA's growth, rounds 46 and 47's failures it was measured on and five that
     # started (rounds 31, 41, 44's MLA EAGLE3 at 0.99, 47's 4,096 over 512 at 0.905 and 48's MLA EAGLE3 at 8,192 over
-    # 256); and round 50's MLA EAGLE3 at 16,384 over 128 at 0.90 (started), by the pool's bands alone, as round 54's
-    # MLA EAGLE3 fit run at 8,192 over 512 at 0.92 (started; 512 requests' states need the pool the bands take).
+    # 256), and ranks-round42-h100's three just above their proposals (round 56's two failures, round 57's start);
+    # and round 50's MLA EAGLE3 at 16,384 over 128 at 0.90 (started), by the pool's bands alone, as round 54's MLA
+    # EAGLE3 fit run at 8,192 over 512 at 0.92 (started; 512 requests' states need the pool the bands take).
     assert sorted(r.name for r in ended if r.predicted_verdict == "at_risk") == [
         "k4-tp1-b12288-s64-nodraft-u0985-h100", "k4-tp1-b16384-s128-eagle3mla-u090-h100",
         "k4-tp1-b16384-s128-eagle3mla-u0915-h100", "k4-tp1-b2048-s128-dspark3-u097-h100",

@@ -92,11 +92,14 @@ def gather_reserve(expandable: bool) -> tuple[float, float]:
     return CAPTURE_RESERVE_FRACTION, CAPTURE_RESERVE_FRACTION_LOW
 
 
-def gather_outside_budget(gathered: int, beside: int, room: int, expandable: bool = False) -> tuple[int, int]:
+def gather_outside_budget(gathered: int, beside: int, room: int,
+                          reserve: tuple[float, float] = (CAPTURE_RESERVE_FRACTION, CAPTURE_RESERVE_FRACTION_LOW),
+                          ) -> tuple[int, int]:
     """What a step whose KDA layers gather ``gathered`` bytes of recurrent states needs outside the budget, beside
-    ``beside`` bytes of its other transients, with the allocator's reserve (``gather_reserve``) once ``room`` (what
-    the budget leaves a step's transients) is spent; and the part of it within the reserve's measured band."""
-    reserve, low = gather_reserve(expandable)
+    ``beside`` bytes of its other transients, with the allocator's ``reserve`` (``gather_reserve``: its "fits" point
+    and low end, in times the states) once ``room`` (what the budget leaves a step's transients) is spent; and the
+    part of it within the reserve's band."""
+    reserve, low = reserve
     over = max(0, beside + int((1 + reserve) * gathered) - room)
     return over, min(over, int((reserve - low) * gathered))
 

@@ -1561,15 +1561,14 @@ def _capture_gather(model: ModelInventory, layout: Layout, engine: EngineSetting
         return 0, 0
     expandable = expandable_segments(engine.env_vars)
     reserve, low = gather_reserve(expandable)
-    capture, band = gather_outside_budget(gather, held, act + graphs_free - since, expandable)
+    capture, band = gather_outside_budget(gather, held, act + graphs_free - since, (reserve, low))
     estimates.append(Estimate("capture_kda_gather", stage, capture, 0,
                               f"the CUDA-graph capture after warmup, at its largest graph ({largest} tokens over "
                               f"{requests} requests, KDA's prefill path): {gather / GiB:.2f} GiB of gathered recurrent "
                               f"states in one request (vLLM gather_initial_states) and the allocator's reserve, "
                               f"{reserve:.2f} times it ("
                               f"{'where vLLM started under expandable segments' if expandable else 'measured'}; "
-                              f"at risk down to {low:.2f}), less the profile's transient "
-                              f"peak and the "
+                              f"at risk down to {low:.2f}), less the profile's transient peak and the "
                               f"{graphs_free / GiB:.2f} GiB of CUDA-graph estimate not yet captured: "
                               f"{capture / GiB:.2f} GiB outside the budget"))
     return capture, band
