@@ -695,6 +695,24 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b6144-s384-nodraft-u097-expseg-h100", 4, tokens=6144, seqs=384, util=0.97, draft=None,
              role="validation", expected_s=150, extra=EXPANDABLE_SEGMENTS),
     ],
+    # Today's proposals at shapes no run has had (fixed 2026-12-07, forty-fourth session, before they run, for an H100
+    # 80GB; each value the plan's proposal on round 58's host): the MLA EAGLE3 at 64, 192 and 512 requests (2,048 /
+    # 64 at 0.99, 12,288 / 192 at 0.94, 4,096 / 512 at 0.945), whose drafter graphs the plan charges at the target's
+    # per-graph cost; DSpark at 3,072 / 160 (0.955); no draft at 12,288 / 96 (0.915). vLLM starts at each, or the
+    # proposal failed where it was tried; the EAGLE3 runs also score, out of sample, a drafter-graph term fitted on
+    # ranks-round41-h100's two fit runs.
+    "ranks-round44-h100": [
+        kimi("k4-tp1-b2048-s64-eagle3mla-u099-h100", 4, tokens=2048, seqs=64, util=0.99, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b12288-s192-eagle3mla-u094-h100", 4, tokens=12288, seqs=192, util=0.94, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b4096-s512-eagle3mla-u0945-h100", 4, tokens=4096, seqs=512, util=0.945, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b3072-s160-dspark-u0955-h100", 4, tokens=3072, seqs=160, util=0.955, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b12288-s96-nodraft-u0915-h100", 4, tokens=12288, seqs=96, util=0.915, draft=None,
+             role="validation", expected_s=150),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
