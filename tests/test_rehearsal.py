@@ -409,6 +409,20 @@ def test_no_recorded_run_failed_for_memory_at_or_below_todays_proposal(runs) -> 
     assert proposals[runs["k4-tp1-b2048-s256-dspark3-u0955-h100"].shape] == 0.945
 
 
+@pytest.mark.parametrize("name", [
+    "k4-tp1-b2048-s64-eagle3mla-u099-h100", "k4-tp1-b12288-s192-eagle3mla-u094-h100",
+    "k4-tp1-b4096-s512-eagle3mla-u0945-h100", "k4-tp1-b3072-s160-dspark-u0955-h100",
+    "k4-tp1-b12288-s96-nodraft-u0915-h100",
+])
+def test_the_proposal_started_vllm_at_shapes_no_run_had(runs, name) -> None:
+    """Round 61 (ranks-round44-h100, H100, validation, fixed before it ran at the plan's proposal on round 58's host):
+    at each shape vLLM started at the utilization the plan proposes for it, and the plan called it "fits"."""
+    run = runs[name]
+    assert run.role == "validation"
+    assert (run.predicted_verdict, run.measured_verdict) == ("fits", "fits")
+    assert run.proposal == run.utilization
+
+
 def test_estimates_are_pinned_to_the_h200_measurements(runs) -> None:
     r = runs["k4-tp1-serve-defaults-dspark"]
     assert abs(r.cuda_graph[0] - r.cuda_graph[1]) <= 0.1 * GiB  # vLLM's estimate: 3.55 GiB
