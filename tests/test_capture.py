@@ -115,6 +115,26 @@ def test_round_30s_failed_shape_started_under_expandable_segments_and_the_plan_s
         e.bytes for e in cached.estimates if e.name != "capture_kda_gather"]
 
 
+@pytest.mark.parametrize("name, proposal, verdict, measured", [
+    ("k4-tp1-b4096-s448-nodraft-u0945-expseg-h100", 0.945, "fits", "fits"),  # 0.885 without the setting
+    ("k4-tp1-b8192-s320-nodraft-u0975-expseg-h100", 0.975, "fits", "fits"),  # 0.93 without it
+    ("k4-tp1-b6144-s384-nodraft-u097-expseg-h100", 0.96, "oom_at_warmup", "oom_at_warmup"),  # round 59's shape
+])
+def test_the_reserve_under_expandable_segments_out_of_sample(name, proposal, verdict, measured) -> None:
+    """Round 60 (ranks-round43-h100, H100, validation, fixed before it ran; the reserve was chosen on round 59 alone):
+    the proposals under the setting at two new shapes started, and round 59's shape 0.01 above it ran out of memory
+    in kernel warmup, as the plan said. Under expandable segments PyTorch's only trace of that failure (inside
+    FlashMLA, through the stable ABI) is its "memory mapping failed with OOM" line."""
+    from kimi_k3_serve.rehearsal.compare import measured_verdict
+
+    report, reading = ACCURACY.predict_run(ACCURACY.FIXTURES / "2026-12-07-round60" / name)
+    assert report.engine.env_vars["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert (report.verdict, measured_verdict(reading)) == (verdict, measured)
+    assert report.safe_gpu_memory_utilization == proposal
+    if measured != "fits":
+        assert reading.oom.step == "warmup" and reading.oom.tried_bytes == 20 * 2**20  # one 20 MiB mapping
+
+
 @pytest.mark.parametrize("seqs, tokens, query_len, num_blocks, per_request, requests", [
     (512, 4096, 1, 2257, 4, 512),  # round 33: 2-token prompts, the pool's blocks hold 564 such requests
     (1024, 2048, 1, 1403, 4, 350),  # round 33: the blocks cap it, (1,403 - 1) // 4

@@ -64,11 +64,12 @@ _OOM = re.compile(r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate 
                   r"([\d.]+) (GiB|MiB) of which ([\d.]+) (GiB|MiB|KiB) is free")
 _OOM_PLAIN = re.compile(r"(torch\.OutOfMemoryError|CUDA out of memory|No available memory for the cache blocks|"
                         r"Free memory on device .* is less than desired GPU memory utilization)")
-_OOM_ALLOCATOR = re.compile(r"memory allocation failed with OOM on device (\d+) while trying to allocate (\d+) bytes "
-                            r"\(free: (\d+), total: (\d+)\)")
+_OOM_ALLOCATOR = re.compile(r"(?:memory allocation|expandable_segments: memory mapping) failed with OOM on device (\d+) "
+                            r"while trying to (?:allocate|map) (\d+) bytes \(free: (\d+), total: (\d+)\)")
 """PyTorch's allocator warning, the only trace of an out-of-memory error raised inside a compiled op through the
 stable ABI (FlashMLA's accumulators: the error itself says only "aten::new_empty ... API call failed"); its last
-line is after the allocator freed its cache."""
+line is after the allocator freed its cache. Under expandable segments the allocator maps a segment's pages 20 MiB
+at a time and says "memory mapping failed ... while trying to map": the bytes are that mapping's, not the request's."""
 _FULL_GRAPHS = re.compile(rf"{graph_samples.MARKER} (\{{.*\}})")
 """The rehearsal's plugin line (``graph_samples``, a module of standard-library imports only)."""
 _RELEASED_CACHE = re.compile(rf"{graph_samples.CACHE_MARKER} (\{{.*\}})")
