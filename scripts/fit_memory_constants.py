@@ -17,6 +17,10 @@ constants, so a group is fitted by non-negative least squares (relative errors) 
   Markov sampling's tensors, ``memory.dspark_markov_step_bytes``, from vLLM's shapes: not fitted),
   ``DRAFT_HIDDEN_COPIES`` hidden states into the draft's step and ``DSPARK_KDA_PEAK_HIDDEN_COPIES`` at a KDA layer's
   peak (fitted factors). Fit runs: ``PROFILE_FIT_RUNS``.
+- ``eagle3_drafter_graphs``: what the EAGLE3 drafter's graphs add to the CUDA-graph estimate, the high-water of its
+  two capture managers: ``base + per_prefill_request x`` the requests of its largest FULL prefill graph, beside
+  ``EAGLE3_DRAFTER_DECODE_PER_REQUEST`` x its largest decode graph's (read from vLLM's code, not fitted). Fit runs:
+  ``EAGLE3_GRAPH_FIT_RUNS``.
 
 Printed per group: the constants, each fit run's residual, leave-one-out over the fit runs (the group refitted
 without that run, the run predicted), and the error on every validation run (which sets nothing).
@@ -60,6 +64,8 @@ class Group:
     kib_scale: tuple[int, ...] = ()
     """A constant of a few KiB (per layer and head): probed and kept in KiB to 0.01, where MiB to 0.01 would move it
     by a sixth."""
+    runs_named: str = ""
+    """Only the runs whose name holds this (the EAGLE3 drafter's group: its constants move no other run's term)."""
 
 
 GROUPS = (
@@ -72,6 +78,8 @@ GROUPS = (
                       ("DSPARK_PROFILE_LOGITS_COPIES", None), ("DRAFT_HIDDEN_COPIES", "dspark"),
                       ("DSPARK_KDA_PEAK_HIDDEN_COPIES", None)), "profile",
           memory.PROFILE_FIT_RUNS, integer_scale=(1, 2, 3, 4)),
+    Group("eagle3_drafter_graphs", (("EAGLE3_DRAFTER_GRAPHS_BASE", None), ("EAGLE3_DRAFTER_PER_PREFILL_REQUEST", None)),
+          "cuda_graph", memory.EAGLE3_GRAPH_FIT_RUNS, runs_named="eagle3"),
 )
 CONSTANTS = GROUPS[0].constants
 """The CUDA-graph group's constants (tests/test_rehearsal.py checks them against the fit)."""
@@ -125,7 +133,7 @@ def constants(group: Group, values: tuple[float, ...]):
 
 def _runs(group: Group) -> list[Path]:
     return [d for d in memory_accuracy.run_dirs()
-            if not (group.kimi_only and d.name.startswith(("llama", "qwen", "deepseek")))]
+            if not (group.kimi_only and d.name.startswith(("llama", "qwen", "deepseek"))) and group.runs_named in d.name]
 
 
 def _estimates(group: Group, run_dirs: list[Path], values: tuple[float, ...]) -> dict[str, tuple[str, int, int]]:

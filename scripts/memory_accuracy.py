@@ -69,6 +69,10 @@ FIT_RUNS = {
                                 "cache released at the second sampled FULL graph at 496 tokens)",
     "k8-tp1-b4096-s32-dspark": "the CUDA-graph group (8 layers with DSpark at 4,096 tokens and 32 sequences: the "
                                "released cache at 248 tokens)",
+    "k4-tp1-b4096-s32-eagle3mla-u095-h100": "the EAGLE3 drafter's graph group (the MLA EAGLE3 at 32 requests: the "
+                                            "largest prefill and decode graphs over 32 requests)",
+    "k4-tp1-b8192-s512-eagle3mla-u092-h100": "the EAGLE3 drafter's graph group (the MLA EAGLE3 at 512 requests: the "
+                                             "largest prefill graph over 128 requests, decode over 512)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 READ_BEFORE_A_CHANGE = {
@@ -607,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         "", "## The fitted constants: fitted on their fit runs alone, scored out of sample", "",
         "`scripts/fit_memory_constants.py` fits each group of `planning/memory.py`'s fitted constants by non-negative "
         "least squares on the relative errors of the fit runs the group names (`CUDA_GRAPH_FIT_RUNS`, "
-        "`PROFILE_FIT_RUNS`; each a fit run of the matrix), and tests/test_rehearsal.py checks the shipped values are "
+        "`PROFILE_FIT_RUNS`, `EAGLE3_GRAPH_FIT_RUNS`; each a fit run of the matrix), and tests/test_rehearsal.py "
+        "checks the shipped values are "
         "that fit. Leave-one-out refits a group without each of its fit runs and predicts that run: a term that rests "
         "on one run is badly predicted without it. Since round 4 (2026-12-02) every CUDA-graph term has at least two "
         "fit runs (deep DSpark stages of 11, 23, 31 and, since 2026-12-03, 44 layers; two runs without a draft at full "
@@ -622,7 +627,11 @@ def main(argv: list[str] | None = None) -> int:
         "k8-tp1-serve-defaults-dspark had been read: ranks-round11's validation runs scored it out of sample (7 "
         "full-width layers at the serve defaults 3.71 / 3.72 GiB, 5 at 4,096 tokens 3.62 / 3.70). "
         "DSpark's capture workspace (the drafter's lane, `planning/memory.py _dspark_capture_lane_bytes`) is not "
-        "fitted: vLLM's shapes give each size it logged, to the 2 MiB block. The validation runs "
+        "fitted: vLLM's shapes give each size it logged, to the 2 MiB block. The EAGLE3 drafter's graph group "
+        "(since the forty-fourth session) has two constants on two fit runs (ranks-round41-h100, 32 and 512 "
+        "requests): each fit run is poorly predicted without the other (+83 % and -30 %), so its out-of-sample score "
+        "is its validation runs, within 2 % each; the decode manager's cost a request is read from vLLM's code. "
+        "The validation runs "
         "set nothing; their worst errors in the unsafe direction set the bands. FlashKDA's scratch share "
         "(`FLASHKDA_SCRATCH_FRACTION`) was read from the one run where FlashKDA alone grew vLLM's workspace: no "
         "leave-one-out exists for it.", "",

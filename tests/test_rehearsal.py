@@ -373,19 +373,24 @@ def test_verdict_right_on_every_run_that_ended(runs) -> None:
     # started (rounds 31, 41, 44's MLA EAGLE3 at 0.99, 47's 4,096 over 512 at 0.905 and 48's MLA EAGLE3 at 8,192 over
     # 256), and ranks-round42-h100's three just above their proposals (round 56's two failures, round 57's start);
     # and round 50's MLA EAGLE3 at 16,384 over 128 at 0.90 (started), by the pool's bands alone, as round 54's MLA
-    # EAGLE3 fit run at 8,192 over 512 at 0.92 (started; 512 requests' states need the pool the bands take).
+    # EAGLE3 fit run at 8,192 over 512 at 0.92 (started; 512 requests' states need the pool the bands take). Since the
+    # drafter's graphs are charged as vLLM's code builds them (forty-fourth session), the plan's pool is vLLM's where
+    # it was 0.11 to 0.16 GiB under with the MLA EAGLE3, and the drafter's warmup step, whose reserve was read with
+    # that pool, leaves rounds 36 and 58's starts at 8,192 over 128 (0.98) and 256 (0.97) "at risk"; round 39's
+    # failure at 16,384 over 128 (0.915) is "does not fit" now.
     assert sorted(r.name for r in ended if r.predicted_verdict == "at_risk") == [
         "k4-tp1-b12288-s64-nodraft-u0985-h100", "k4-tp1-b16384-s128-eagle3mla-u090-h100",
-        "k4-tp1-b16384-s128-eagle3mla-u0915-h100", "k4-tp1-b2048-s128-dspark3-u097-h100",
+        "k4-tp1-b2048-s128-dspark3-u097-h100",
         "k4-tp1-b2048-s256-dspark3-u095-h100", "k4-tp1-b2048-s256-dspark3-u0955-h100",
         "k4-tp1-b3072-s384-dspark3-u0935-h100", "k4-tp1-b4096-s128-eagle3mla-u099-h100",
         "k4-tp1-b4096-s256-dspark3-u0945-h100",
         "k4-tp1-b4096-s512-dspark3-u0905-h100", "k4-tp1-b4096-s512-nodraft-u086-h100", "k4-tp1-b4096-s512-nodraft-u087-h100",
         "k4-tp1-b6144-s384-nodraft-u093-h100",
         "k4-tp1-b8192-s128-dspark-u095-h100",
-        "k4-tp1-b8192-s128-nodraft-u095-h100",
+        "k4-tp1-b8192-s128-eagle3mla-u098-h100", "k4-tp1-b8192-s128-nodraft-u095-h100",
         "k4-tp1-b8192-s256-dspark-u088-h100", "k4-tp1-b8192-s256-dspark-u091-h100",
-        "k4-tp1-b8192-s256-dspark3-u093-h100", "k4-tp1-b8192-s256-eagle3mla-u0975-h100",
+        "k4-tp1-b8192-s256-dspark3-u093-h100", "k4-tp1-b8192-s256-eagle3mla-u097-h100",
+        "k4-tp1-b8192-s256-eagle3mla-u0975-h100",
         "k4-tp1-b8192-s512-eagle3mla-u092-h100",
         "k6-tp1-b8192-s256-dspark3-u0965",
         "k7-tp1-b2048-s128-dspark-u081", "k8-tp1-b2048-s128-dspark",
@@ -463,17 +468,16 @@ def test_the_mla_eagle3_draft_meets_vllm_at_full_width_and_on_a_tp8_rank(runs) -
         assert r.name not in memory.CUDA_GRAPH_FIT_RUNS + memory.PROFILE_FIT_RUNS, r.name
         assert abs(accuracy.RunAccuracy.error(r.weights)) <= 0.001, (r.name, r.weights)
         assert -0.07 <= accuracy.RunAccuracy.error(r.profile) <= 0.1, (r.name, r.profile)  # over: the safe side
-        # Over (the safe side) by 20 % on both since the FULL graphs are charged as vLLM samples them (twenty-second
-        # session): the drafter's graphs, captured in full, are charged the target's per-PIECEWISE-graph cost each;
-        # 25 % and 27 % since ranks-round18's fit runs raised that cost (9.95 -> 10.79 MiB, twenty-eighth session).
-        # Round 54's 32 requests (a largest graph of 256 tokens, 59 drafter graphs): 34 % over, 0.30 GiB.
-        assert -0.15 <= accuracy.RunAccuracy.error(r.cuda_graph) <= 0.35, (r.name, r.cuda_graph)
-        # The pool over vLLM's at most 1 % (the unsafe side), under it within issue 23's 3 %: r44-s1-eagle3-mla is
-        # -1.2 % since the allocator's rounding put its weights exact (its profile and graphs are over), round 39's
-        # 16,384 tokens -2.6 % (its CUDA-graph estimate 0.11 GiB over). Round 50's 16,384 tokens at 0.90 is -4.2 %
-        # of a 2.40 GiB pool: the same 0.11 GiB over, a miss of issue 23's 3 % on the safe side.
-        low = -0.045 if r.name == "k4-tp1-b16384-s128-eagle3mla-u090-h100" else -0.03
-        assert low <= accuracy.RunAccuracy.error(r.kv) <= 0.01, (r.name, r.kv)
+        # The drafter's graphs cost each capture manager's largest graph (memory.eagle3_drafter_graphs_bytes, fitted
+        # on round 54's two fit runs): every validation run within 2 % (the TP8 rank +2 %, 64 requests -1 %). Each
+        # graph charged the target's per-graph cost, as until the forty-fourth session, was 5 % to 34 % over.
+        assert -0.02 <= accuracy.RunAccuracy.error(r.cuda_graph) <= 0.025, (r.name, r.cuda_graph)
+        # The pool over vLLM's at most 1 % (the unsafe side, inside the KV band; 0.5 % the most, round 54's 512
+        # requests), under it within issue 23's 3 %:
+        # r44-s1-eagle3-mla is -1.2 % since the allocator's rounding put its weights exact (its profile is over).
+        # Round 50's 16,384 tokens at 0.90 was -4.2 % of a 2.40 GiB pool while the drafter's graphs were 0.11 GiB
+        # over: +0.3 % now.
+        assert -0.03 <= accuracy.RunAccuracy.error(r.kv) <= 0.01, (r.name, r.kv)
     full = eagle["serve-one-gpu-eagle3-mla"]
     assert abs(full.profile[0] - full.profile[1]) <= 0.15 * GiB  # 7.58 / 7.61 GiB (7.47 before the speculator buffer)
 
@@ -581,6 +585,32 @@ def test_the_mla_eagle3_profile_step_is_vllms_shapes() -> None:
     # One step: FULL prefill graphs at 2, 4, 8, 16, 24 and 32 tokens, and no decode manager.
     assert eagle3_draft_graphs(up_to_128, 16, 1, True) == 19 + 6
     assert eagle3_draft_graphs(up_to_128, 16, 3, False) == 19  # PIECEWISE only
+
+
+def test_the_eagle3_drafters_graphs_cost_each_capture_managers_largest_graph() -> None:
+    """vLLM 0.32 captures the drafter's prefill manager (k + 1 tokens a request) and decode manager (one) each on a
+    stream of its own, and a drafter graph keeps no tensor: the estimate grows with each manager's largest graph's
+    requests, not with the number of graphs (64 -> 128 requests doubled the drafter's share, 256 -> 512 added 0.2 GiB
+    over 16 more graphs). The prefill manager's largest FULL graph stops at 512 tokens (128 requests of 4)."""
+    from kimi_k3_serve.planning.memory import (
+        EAGLE3_DRAFTER_DECODE_PER_REQUEST, EAGLE3_DRAFTER_GRAPHS_BASE, EAGLE3_DRAFTER_PER_PREFILL_REQUEST,
+        cuda_graph_capture_sizes, eagle3_drafter_graphs_bytes,
+    )
+
+    def cost(seqs: int, num_spec: int = 3, full: bool = True) -> int:
+        sizes = cuda_graph_capture_sizes(seqs, num_spec + 1, 8192, (9, 0))
+        return eagle3_drafter_graphs_bytes(sizes, seqs, num_spec, full)[0]
+
+    def expected(prefill: int, decode: int) -> int:
+        return (EAGLE3_DRAFTER_GRAPHS_BASE + prefill * EAGLE3_DRAFTER_PER_PREFILL_REQUEST
+                + decode * EAGLE3_DRAFTER_DECODE_PER_REQUEST)
+
+    assert cost(32) == expected(32, 32)
+    assert cost(128) == expected(128, 128)
+    assert cost(512) == expected(128, 512)
+    assert cost(1024) == expected(128, 512)  # the decode manager's sizes stop at the largest capture, 512
+    assert cost(64, num_spec=1) == expected(64, 0)  # one speculative token: no decode manager
+    assert cost(64, full=False) == expected(0, 0)  # PIECEWISE only
 
 
 def two_gpu_run(name: str):

@@ -345,7 +345,10 @@ def test_round_36s_proposals_started_and_just_above_them_the_plan_says_at_risk(a
       0.83 for the shape);
     - the MLA EAGLE3 at 8,192 / 128: 0.975 and 0.98 started, and autotune's forward peaked where the plan puts the
       drafter's step (5.38 GiB above what warmup began with, to 0.01 GiB). That step comes before FlashKDA's growth,
-      and warmup's prefill needs less than it: both "fits", and the plan proposes 0.98 (0.99 ran out of memory)."""
+      and warmup's prefill needs less than it. Since the drafter's graphs are charged as vLLM's code builds them
+      (forty-fourth session), the plan's pool is vLLM's to 0.1 GiB where it was 0.11 GiB under: 0.975 "fits" and
+      0.98 is "at risk" (1.48 times the drafter's request left, inside that reserve's band), and the plan proposes
+      0.975, 0.005 under where vLLM started (0.99 ran out of memory)."""
     from kimi_k3_serve.planning.capture import CAPTURE_RESERVE_FRACTION, CAPTURE_RESERVE_FRACTION_LOW
 
     runs, outcomes = _predicted_with_outcomes(
@@ -355,11 +358,11 @@ def test_round_36s_proposals_started_and_just_above_them_the_plan_says_at_risk(a
         ("2026-12-06-round37", "k4-tp1-b4096-s512-nodraft-u087-h100"))
     assert outcomes == {"k4-tp1-b4096-s512-nodraft-u086-h100": ("at_risk", "fits"),
                         "k4-tp1-b8192-s128-eagle3mla-u0975-h100": ("fits", "fits"),
-                        "k4-tp1-b8192-s128-eagle3mla-u098-h100": ("fits", "fits"),
+                        "k4-tp1-b8192-s128-eagle3mla-u098-h100": ("at_risk", "fits"),
                         "k4-tp1-b4096-s512-nodraft-u087-h100": ("at_risk", "oom_at_warmup")}
     for name in ("k4-tp1-b8192-s128-eagle3mla-u0975-h100", "k4-tp1-b8192-s128-eagle3mla-u098-h100"):
         report, reading = runs[name]
-        assert report.safe_gpu_memory_utilization == 0.98
+        assert report.safe_gpu_memory_utilization == 0.975
     report, reading = runs["k4-tp1-b8192-s128-eagle3mla-u0975-h100"]
     autotune = next(p for p in reading.workers[0].warmup_peaks if p.scope == "flashinfer_autotune")
     assert report.ranks[0].warmup_forward_bytes == pytest.approx(autotune.transient_bytes, abs=0.01 * GiB)
@@ -413,10 +416,13 @@ def test_warmups_prefill_is_weighed_at_its_own_moment_after_the_autotune(accurac
 def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accuracy) -> None:
     """Rounds 39 and 40 (ranks-round31-h100 and ranks-round32-h100, validation, H100), each at the proposal of the
     plan shipped with it. Two ran out of memory in FlashInfer's autotune where that plan said "fits", and the model
-    was changed on them; the plan now says "at risk" for both, and the two that started still fit at their proposal:
+    was changed on them; the plan now says "at risk" or "does not fit" for both, and the two that started still fit at
+    their proposal:
     - the MLA EAGLE3 at 16,384 tokens over 128 (0.915): the drafter's 3.02 GiB accumulator, with 1.16 times it left in
       the plan's terms (round 33 failed at 1.01; round 36 started at 1.53 and 1.79, round 39 at 4,096 tokens at 3.96):
-      the drafter's reserve is now 1.15 to 1.5 of its request, and the plan proposes no utilization for this shape;
+      the drafter's reserve is now 1.15 to 1.5 of its request, and the plan proposes no utilization for this shape.
+      Since the drafter's graphs are charged as vLLM's code builds them (forty-fourth session), the plan's pool is
+      0.11 GiB larger, 0.4 % over vLLM's, and 1.12 times is left: below the band, "does not fit";
     - no draft at 12,288 over 64 (0.985): warmup's MLA takes the prefill path (192-token requests) and ran out of
       memory on the concatenated key with 0.97 times the largest request left: that path's reserve is 0.95 to 1.0;
     - the MLA EAGLE3 at 4,096 over 128 (0.97) and 3 speculative tokens at 2,048 over 256 (0.945) started."""
@@ -431,7 +437,7 @@ def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accur
         ("2026-12-06-round39", "k4-tp1-b4096-s128-eagle3mla-u097-h100"),
         ("2026-12-06-round40", "k4-tp1-b12288-s64-nodraft-u0985-h100"),
         ("2026-12-06-round40", "k4-tp1-b2048-s256-dspark3-u0945-h100"))
-    assert outcomes == {"k4-tp1-b16384-s128-eagle3mla-u0915-h100": ("at_risk", "oom_at_warmup"),
+    assert outcomes == {"k4-tp1-b16384-s128-eagle3mla-u0915-h100": ("oom_at_warmup", "oom_at_warmup"),
                         "k4-tp1-b4096-s128-eagle3mla-u097-h100": ("fits", "fits"),
                         "k4-tp1-b12288-s64-nodraft-u0985-h100": ("at_risk", "oom_at_warmup"),
                         "k4-tp1-b2048-s256-dspark3-u0945-h100": ("fits", "fits")}
@@ -451,7 +457,7 @@ def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accur
     assert reading.oom.tried_bytes == request
     warmup = next(e for e in report.estimates if e.name == "warmup_mla_decode")
     left = rank.headroom_bytes - (warmup.bytes - int(DRAFT_STEP_RESERVE_FRACTION * request))
-    assert DRAFT_STEP_RESERVE_FRACTION_LOW < left / request < DRAFT_STEP_RESERVE_FRACTION  # 1.16: within the band
+    assert 1.1 < left / request < DRAFT_STEP_RESERVE_FRACTION_LOW  # 1.12: below the band
     assert report.safe_gpu_memory_utilization is None
 
     report, reading = runs["k4-tp1-b12288-s64-nodraft-u0985-h100"]

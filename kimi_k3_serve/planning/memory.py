@@ -155,8 +155,7 @@ multiples of its N query rows a request), and beside them the plan charges, exac
 capturing its largest graph fills (``_dspark_capture_lane_bytes``: 170 MiB at 16 sequences, 748 MiB from 71 on, at a
 TP8 rank and 32,768 tokens; twice that at 65,536). Before that lane was counted (2026-12-03) these terms absorbed it:
 15.28 MiB per graph, 0.39 per head and 0.50 per layer, 8 % over on stage 1's TP8 rank at 64 to 512 sequences. EAGLE3:
-none per target graph; its drafter's own graphs are counted instead (``eagle3_draft_graphs``), each at the target's
-per-graph cost (not fitted on an EAGLE3 run)."""
+none per target graph; its drafter's own graphs are counted instead (``eagle3_drafter_graphs_bytes``)."""
 CUDA_GRAPH_DRAFT_PER_HEAD = {"dspark": 0}
 CUDA_GRAPH_DRAFT_PER_LAYER_HEAD = {"dspark": int(15.08 * KiB)}
 """What each target layer of the last stage adds per FULL graph when DSpark rides on it, per target attention head on
@@ -192,6 +191,22 @@ CUDA-graph band holds the rest."""
 VLLM_FULL_GRAPH_FLOOR = MiB
 """vLLM 0.32's ``_MIN_PER_GRAPH_BYTES`` (v1/worker/gpu/cudagraph_utils.py): what its estimate charges each FULL
 graph after the first once the second sample's drop is below it."""
+EAGLE3_DRAFTER_GRAPHS_BASE = int(49.93 * MiB)
+"""What the EAGLE3 drafter's graphs add to vLLM's CUDA-graph estimate before their requests: each capture manager's
+FlashMLA accumulators sized by its SM partitions, and the PIECEWISE graphs' pool at the largest capture size. Fitted
+with ``EAGLE3_DRAFTER_PER_PREFILL_REQUEST`` on ``EAGLE3_GRAPH_FIT_RUNS`` (``eagle3_drafter_graphs_bytes``)."""
+EAGLE3_DRAFTER_PER_PREFILL_REQUEST = int(7.92 * MiB)
+"""What each request of the drafter's largest FULL prefill graph adds (k + 1 tokens a request: the MLA step's query,
+FlashMLA's split accumulators, the logits over the vocabulary). vLLM's code sums its allocations to about 3.5 MiB a
+request at 96 heads; what the estimate measured is about twice that (each manager's eager run before its capture is
+on the manager's own stream, which the measurement also sees), so it is fitted, not read."""
+EAGLE3_DRAFTER_DECODE_PER_REQUEST = 928 * KiB
+"""What each request of the drafter's largest decode graph adds (one token a request: bf16 logits over the
+163,840-token vocabulary, the embeddings and FlashMLA's tensors at 96 heads), read from vLLM's code in the forty-third
+session (spec_decode/target_dependent_ar/speculator.py ``_generate_draft``); not fitted."""
+EAGLE3_GRAPH_FIT_RUNS = ("k4-tp1-b4096-s32-eagle3mla-u095-h100", "k4-tp1-b8192-s512-eagle3mla-u092-h100")
+"""The runs (fit role, ranks-round41-h100, fixed before they ran) the EAGLE3 drafter's graph constants are fitted on:
+32 and 512 requests, the largest prefill graph over 32 and 128 requests, the largest decode graph over 32 and 512."""
 CUDA_GRAPH_FIT_RUNS = ("k4-tp1-b8192-s1024-nodraft", "r23-s0-pp4", "r31-s1-pp3", "k4-tp1-serve-defaults-dspark",
                        "k6-tp1-b8192-s768-dspark-u080", "rehearse-tp2", "r11-s7-pp8-dspark", "k8-tp1-b8192-s512-nodraft",
                        "r23-s3-pp4-dspark", "r31-s2-pp3-dspark", "r44-s1-dspark-b8192-s256",
@@ -1879,9 +1894,9 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         est += num_draft * per_draft_graph
         draft += f" + {num_draft} draft graphs x {per_draft_graph / MiB:.1f} MiB" if per_draft_graph else ""
         if spec.method == "eagle3":
-            drafter = eagle3_draft_graphs(sizes, seqs, spec.num_speculative_tokens, num_full > 0)
-            est += drafter * per_graph
-            draft += f" + the EAGLE3 drafter's {drafter} graphs, captured in full, at the target's per-graph cost"
+            drafter, drafter_basis = eagle3_drafter_graphs_bytes(sizes, seqs, spec.num_speculative_tokens, num_full > 0)
+            est += drafter
+            draft += f" + {drafter_basis}"
     return est, max(est // 2, GiB // 2), (
         f"vLLM profile_cudagraph_memory shape: first capture ({largest} tokens) + {end - start} layers x "
         f"{CUDA_GRAPH_PER_LAYER[family] / MiB:.1f} MiB + {graphs_basis}{draft} (fitted on H200 fit runs, "
@@ -1986,6 +2001,27 @@ def eagle3_draft_graphs(sizes: Sequence[int], seqs: int, num_spec: int, full_and
         if num_spec > 1:
             graphs += sum(1 for s in sizes if s <= seqs)
     return graphs
+
+
+def eagle3_drafter_graphs_bytes(sizes: Sequence[int], seqs: int, num_spec: int,
+                                full_and_piecewise: bool) -> tuple[int, str]:
+    """What the EAGLE3 drafter's graphs add to vLLM's CUDA-graph estimate, as (bytes, basis). A drafter graph keeps
+    no tensor once captured (its outputs go to buffers made outside the capture), and each capture manager captures
+    on a stream of its own (``graph_capture``), where the caching allocator reuses blocks only among that manager's
+    graphs: the drafter costs the high-water of its prefill manager, set by its largest FULL graph's requests (k + 1
+    tokens each), and of its decode manager, set by its largest graph's requests (one token each), not a cost per
+    graph (``eagle3_draft_graphs`` counts them). Until the forty-fourth session each was charged the target's
+    per-graph cost: 0.11 to 0.39 GiB over vLLM's estimate on every EAGLE3 run."""
+    query_len = num_spec + 1
+    full = uniform_decode_graph_tokens(sizes, seqs, query_len) if full_and_piecewise else []
+    prefill_requests = max(full, default=0) // query_len
+    decode_requests = max((s for s in sizes if s <= seqs), default=0) if full_and_piecewise and num_spec > 1 else 0
+    total = (EAGLE3_DRAFTER_GRAPHS_BASE + EAGLE3_DRAFTER_PER_PREFILL_REQUEST * prefill_requests
+             + EAGLE3_DRAFTER_DECODE_PER_REQUEST * decode_requests)
+    return total, (f"the EAGLE3 drafter's {eagle3_draft_graphs(sizes, seqs, num_spec, full_and_piecewise)} graphs: "
+                   f"{EAGLE3_DRAFTER_GRAPHS_BASE / MiB:.1f} MiB + {prefill_requests} prefill requests x "
+                   f"{EAGLE3_DRAFTER_PER_PREFILL_REQUEST / MiB:.2f} MiB + {decode_requests} decode requests x "
+                   f"{EAGLE3_DRAFTER_DECODE_PER_REQUEST / KiB:.0f} KiB (each capture manager's largest graph)")
 
 
 def kv_grouping(model: ModelInventory, layout: Layout, engine: EngineSettings, compute_capability: tuple[int, int] = (9, 0)) -> KvGrouping:
