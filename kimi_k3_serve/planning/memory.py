@@ -198,8 +198,9 @@ with ``EAGLE3_DRAFTER_PER_PREFILL_REQUEST`` on ``EAGLE3_GRAPH_FIT_RUNS`` (``eagl
 EAGLE3_DRAFTER_PER_PREFILL_REQUEST = int(7.92 * MiB)
 """What each request of the drafter's largest FULL prefill graph adds (k + 1 tokens a request: the MLA step's query,
 FlashMLA's split accumulators, the logits over the vocabulary). vLLM's code sums its allocations to about 3.5 MiB a
-request at 96 heads; what the estimate measured is about twice that (each manager's eager run before its capture is
-on the manager's own stream, which the measurement also sees), so it is fitted, not read."""
+request at 96 heads; what the estimate measured is about twice that (perhaps each manager's eager run before its
+capture, on the manager's own stream, which the measurement would also see: not verified), so it is fitted, not
+read."""
 EAGLE3_DRAFTER_DECODE_PER_REQUEST = 928 * KiB
 """What each request of the drafter's largest decode graph adds (one token a request: bf16 logits over the
 163,840-token vocabulary, the embeddings and FlashMLA's tensors at 96 heads), read from vLLM's code in the forty-third
