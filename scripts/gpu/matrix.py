@@ -713,6 +713,15 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b12288-s96-nodraft-u0915-h100", 4, tokens=12288, seqs=96, util=0.915, draft=None,
              role="validation", expected_s=150),
     ],
+    # A fit run for the MLA EAGLE3 drafter's warmup reserve (planning/warmup.py DRAFT_STEP_RESERVE_FRACTION, 1.15 to
+    # 1.5 of its FlashMLA accumulator), read while the plan's pool was 0.11 GiB under vLLM's; with the drafter's
+    # graphs as vLLM's code builds them (forty-fourth session) the runs at 8,192 / 128 leave 1.61 (0.975, started),
+    # 1.48 (0.98, started) and 1.22 (0.99, out of memory) times it. This one leaves 1.35 (fixed 2026-12-07 before it
+    # runs, for an H100 80GB): where it starts, the fits point may come down to it; where it fails, the low end up.
+    "ranks-round45-h100": [
+        kimi("k4-tp1-b8192-s128-eagle3mla-u0985-h100", 4, tokens=8192, seqs=128, util=0.985, draft=EAGLE3_MLA,
+             role="fit", expected_s=170),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
