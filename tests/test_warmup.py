@@ -413,6 +413,28 @@ def test_warmups_prefill_is_weighed_at_its_own_moment_after_the_autotune(accurac
         assert text.index('"scope": "flashinfer_autotune"') < resize < text.index('"scope": "warmup_kernels"')
 
 
+def test_the_drafters_warmup_step_passed_with_135_times_its_request_left(accuracy) -> None:
+    """Round 62 (ranks-round45-h100, a fit run fixed before it ran, H100): the MLA EAGLE3 at 8,192 / 128 and 0.985,
+    where the plan's pool is vLLM's to 0.1 % and the drafter's step in FlashInfer's autotune has 1.35 times its 3.02 GiB
+    accumulator left in the plan's terms. The autotune passed, its forward 5.38 GiB above what warmup began with, the
+    plan's term to the MiB; the run was then stopped by its --timeout in the rest of kernel warmup, before vLLM's
+    verdict. So the drafter's step passed at 1.35 (0.99 failed at 1.22, round 33): the reserve's fits point (1.5)
+    stays until a run starts there, and the plan says "at risk"."""
+    from kimi_k3_serve.planning.warmup import DRAFT_STEP_RESERVE_FRACTION, DRAFT_STEP_RESERVE_FRACTION_LOW
+    from kimi_k3_serve.rehearsal.compare import measured_verdict
+
+    report, reading = accuracy.predict_run(FIXTURES / "2026-12-07-round62" / "k4-tp1-b8192-s128-eagle3mla-u0985-h100")
+    (rank,) = report.ranks
+    autotune = next(p for p in reading.workers[0].warmup_peaks if p.scope == "flashinfer_autotune")
+    assert not autotune.failed and measured_verdict(reading) == "unknown"
+    assert rank.warmup_forward_bytes == pytest.approx(autotune.transient_bytes, abs=MiB)
+    request = 129 * 128 * 96 * 512 * 4
+    warmup = next(e for e in report.estimates if e.name == "warmup_mla_decode")
+    left = rank.headroom_bytes - (warmup.bytes - int(DRAFT_STEP_RESERVE_FRACTION * request))
+    assert DRAFT_STEP_RESERVE_FRACTION_LOW < 1.34 < left / request < 1.36 < DRAFT_STEP_RESERVE_FRACTION
+    assert report.verdict == "at_risk"
+
+
 def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accuracy) -> None:
     """Rounds 39 and 40 (ranks-round31-h100 and ranks-round32-h100, validation, H100), each at the proposal of the
     plan shipped with it. Two ran out of memory in FlashInfer's autotune where that plan said "fits", and the model
