@@ -563,6 +563,7 @@ def test_the_mla_eagle3_profile_step_is_vllms_shapes() -> None:
     the H200 logged."""
     from kimi_k3_serve.planning.memory import (
         cuda_graph_capture_sizes, eagle3_draft_graphs, eagle3_mla_profile_bytes, mla_chunked_prefill_rows,
+        uniform_decode_graph_tokens,
     )
 
     assert mla_chunked_prefill_rows(8192, 64, 5888) == 70656
@@ -580,11 +581,12 @@ def test_the_mla_eagle3_profile_step_is_vllms_shapes() -> None:
     up_to_512 = cuda_graph_capture_sizes(64, 4, 8192, (9, 0))  # 64 sequences, k = 3
     up_to_128 = cuda_graph_capture_sizes(16, 4, 8192, (9, 0))  # 16 sequences, k = 3
     assert (len(up_to_512), up_to_512[-1], len(up_to_128), up_to_128[-1]) == (51, 512, 19, 128)
-    assert eagle3_draft_graphs(up_to_512, 64, 3, True) == 51 + 33 + 11
-    assert eagle3_draft_graphs(up_to_128, 16, 3, True) == 19 + 9 + 5
+    full_512, full_128 = uniform_decode_graph_tokens(up_to_512, 64, 4), uniform_decode_graph_tokens(up_to_128, 16, 4)
+    assert eagle3_draft_graphs(up_to_512, 64, 3, full_512) == 51 + 33 + 11
+    assert eagle3_draft_graphs(up_to_128, 16, 3, full_128) == 19 + 9 + 5
     # One step: FULL prefill graphs at 2, 4, 8, 16, 24 and 32 tokens, and no decode manager.
-    assert eagle3_draft_graphs(up_to_128, 16, 1, True) == 19 + 6
-    assert eagle3_draft_graphs(up_to_128, 16, 3, False) == 19  # PIECEWISE only
+    assert eagle3_draft_graphs(up_to_128, 16, 1, uniform_decode_graph_tokens(up_to_128, 16, 2)) == 19 + 6
+    assert eagle3_draft_graphs(up_to_128, 16, 3, []) == 19  # PIECEWISE only
 
 
 def test_the_eagle3_drafters_graphs_cost_each_capture_managers_largest_graph() -> None:
@@ -594,12 +596,13 @@ def test_the_eagle3_drafters_graphs_cost_each_capture_managers_largest_graph() -
     over 16 more graphs). The prefill manager's largest FULL graph stops at 512 tokens (128 requests of 4)."""
     from kimi_k3_serve.planning.memory import (
         EAGLE3_DRAFTER_DECODE_PER_REQUEST, EAGLE3_DRAFTER_GRAPHS_BASE, EAGLE3_DRAFTER_PER_PREFILL_REQUEST,
-        cuda_graph_capture_sizes, eagle3_drafter_graphs_bytes,
+        cuda_graph_capture_sizes, eagle3_drafter_graphs_bytes, uniform_decode_graph_tokens,
     )
 
     def cost(seqs: int, num_spec: int = 3, full: bool = True) -> int:
         sizes = cuda_graph_capture_sizes(seqs, num_spec + 1, 8192, (9, 0))
-        return eagle3_drafter_graphs_bytes(sizes, seqs, num_spec, full)[0]
+        full_tokens = uniform_decode_graph_tokens(sizes, seqs, num_spec + 1) if full else []
+        return eagle3_drafter_graphs_bytes(sizes, seqs, num_spec, full_tokens)[0]
 
     def expected(prefill: int, decode: int) -> int:
         return (EAGLE3_DRAFTER_GRAPHS_BASE + prefill * EAGLE3_DRAFTER_PER_PREFILL_REQUEST

@@ -1895,7 +1895,7 @@ def _cuda_graph(model: ModelInventory, layout: Layout, engine: EngineSettings, s
         est += num_draft * per_draft_graph
         draft += f" + {num_draft} draft graphs x {per_draft_graph / MiB:.1f} MiB" if per_draft_graph else ""
         if spec.method == "eagle3":
-            drafter, drafter_basis = eagle3_drafter_graphs_bytes(sizes, seqs, spec.num_speculative_tokens, num_full > 0)
+            drafter, drafter_basis = eagle3_drafter_graphs_bytes(sizes, seqs, spec.num_speculative_tokens, full_tokens)
             est += drafter
             draft += f" + {drafter_basis}"
     return est, max(est // 2, GiB // 2), (
@@ -1987,39 +1987,39 @@ def _dspark_capture_lane_bytes(spec: SpeculativeSettings, layout: Layout, rows: 
     return triton_mla_logits_bytes(rows, 1, heads, mla.kv_lora_rank, max_model_len, cc)
 
 
-def eagle3_draft_graphs(sizes: Sequence[int], seqs: int, num_spec: int, full_and_piecewise: bool) -> int:
+def eagle3_draft_graphs(sizes: Sequence[int], seqs: int, num_spec: int, full_tokens: Sequence[int]) -> int:
     """The EAGLE3 drafter's CUDA graphs, which ``profile_cudagraph_memory`` captures in full (v1/worker/gpu/
     cudagraph_utils.py; only the target's FULL graphs are sampled). ``TargetDependentARSpeculator.
     init_cudagraph_manager`` (spec_decode/target_dependent_ar/speculator.py) builds a prefill manager in the target's
     mode with ``decode_query_len = k + 1``: a PIECEWISE graph per capture size and, under FULL_AND_PIECEWISE, a FULL
-    graph per uniform-decode size (``CudaGraphManager._init_candidates``: ``round_up(size, k + 1)`` within
-    ``max_num_seqs x (k + 1)`` and the largest size); and, for k > 1 under a FULL decode mode, a FULL_DECODE_ONLY
-    decode manager with one token per request: a FULL graph per capture size up to ``max_num_seqs``. 51 + 33 + 11 at
-    512 / 64 sequences / k = 3, as vLLM logged on the H200 (2026-12-01)."""
-    graphs = len(sizes)
-    if full_and_piecewise:
-        graphs += len(uniform_decode_graph_tokens(sizes, seqs, num_spec + 1))
-        if num_spec > 1:
-            graphs += sum(1 for s in sizes if s <= seqs)
-    return graphs
+    graph per uniform-decode size, the target's own ``full_tokens`` (``uniform_decode_graph_tokens`` at k + 1; empty
+    when PIECEWISE only); and, for k > 1 under a FULL decode mode, a FULL_DECODE_ONLY decode manager with one token per
+    request: a FULL graph per capture size up to ``max_num_seqs``. 51 + 33 + 11 at 512 / 64 sequences / k = 3, as
+    vLLM logged on the H200 (2026-12-01)."""
+    return len(sizes) + len(full_tokens) + len(_eagle3_decode_sizes(sizes, seqs, num_spec, full_tokens))
+
+
+def _eagle3_decode_sizes(sizes: Sequence[int], seqs: int, num_spec: int, full_tokens: Sequence[int]) -> list[int]:
+    """The EAGLE3 drafter's decode manager's graph sizes, one token a request: none for one speculative token or
+    without FULL graphs."""
+    return [s for s in sizes if s <= seqs] if full_tokens and num_spec > 1 else []
 
 
 def eagle3_drafter_graphs_bytes(sizes: Sequence[int], seqs: int, num_spec: int,
-                                full_and_piecewise: bool) -> tuple[int, str]:
-    """What the EAGLE3 drafter's graphs add to vLLM's CUDA-graph estimate, as (bytes, basis). A drafter graph keeps
+                                full_tokens: Sequence[int]) -> tuple[int, str]:
+    """What the EAGLE3 drafter's graphs add to vLLM's CUDA-graph estimate, as (bytes, basis); ``full_tokens`` are the
+    FULL uniform-decode graphs' tokens at k + 1 a request (``uniform_decode_graph_tokens``). A drafter graph keeps
     no tensor once captured (its outputs go to buffers made outside the capture), and each capture manager captures
     on a stream of its own (``graph_capture``), where the caching allocator reuses blocks only among that manager's
     graphs: the drafter costs the high-water of its prefill manager, set by its largest FULL graph's requests (k + 1
     tokens each), and of its decode manager, set by its largest graph's requests (one token each), not a cost per
     graph (``eagle3_draft_graphs`` counts them). Until the forty-fourth session each was charged the target's
     per-graph cost: 0.11 to 0.39 GiB over vLLM's estimate on every EAGLE3 run."""
-    query_len = num_spec + 1
-    full = uniform_decode_graph_tokens(sizes, seqs, query_len) if full_and_piecewise else []
-    prefill_requests = max(full, default=0) // query_len
-    decode_requests = max((s for s in sizes if s <= seqs), default=0) if full_and_piecewise and num_spec > 1 else 0
+    prefill_requests = max(full_tokens, default=0) // (num_spec + 1)
+    decode_requests = max(_eagle3_decode_sizes(sizes, seqs, num_spec, full_tokens), default=0)
     total = (EAGLE3_DRAFTER_GRAPHS_BASE + EAGLE3_DRAFTER_PER_PREFILL_REQUEST * prefill_requests
              + EAGLE3_DRAFTER_DECODE_PER_REQUEST * decode_requests)
-    return total, (f"the EAGLE3 drafter's {eagle3_draft_graphs(sizes, seqs, num_spec, full_and_piecewise)} graphs: "
+    return total, (f"the EAGLE3 drafter's {eagle3_draft_graphs(sizes, seqs, num_spec, full_tokens)} graphs: "
                    f"{EAGLE3_DRAFTER_GRAPHS_BASE / MiB:.1f} MiB + {prefill_requests} prefill requests x "
                    f"{EAGLE3_DRAFTER_PER_PREFILL_REQUEST / MiB:.2f} MiB + {decode_requests} decode requests x "
                    f"{EAGLE3_DRAFTER_DECODE_PER_REQUEST / KiB:.0f} KiB (each capture manager's largest graph)")
