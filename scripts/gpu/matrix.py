@@ -722,6 +722,21 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b8192-s128-eagle3mla-u0985-h100", 4, tokens=8192, seqs=128, util=0.985, draft=EAGLE3_MLA,
              role="fit", expected_s=170),
     ],
+    # Today's proposals at four shapes no run has had (fixed 2026-12-07, forty-fifth session, before they run, for an
+    # H100 80GB; all validation). The MLA EAGLE3 at 96 requests on either side of FlashMLA's decode path: 12,288 tokens
+    # give the warmup's dummy run 128 tokens a request, which the drafter's step decodes (proposal 0.935), and 16,384
+    # give 170, which it prefills, so its decode accumulator is never asked for (proposal 0.99, the cap). DSpark's 7
+    # speculative tokens at 4,096 / 64 (0.975) and 12,288 / 96 (0.925).
+    "ranks-round46-h100": [
+        kimi("k4-tp1-b16384-s96-eagle3mla-u099-h100", 4, tokens=16384, seqs=96, util=0.99, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b12288-s96-eagle3mla-u0935-h100", 4, tokens=12288, seqs=96, util=0.935, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b4096-s64-dspark-u0975-h100", 4, tokens=4096, seqs=64, util=0.975, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b12288-s96-dspark-u0925-h100", 4, tokens=12288, seqs=96, util=0.925, role="validation",
+             expected_s=150),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
