@@ -73,6 +73,9 @@ FIT_RUNS = {
                                             "largest prefill and decode graphs over 32 requests)",
     "k4-tp1-b8192-s512-eagle3mla-u092-h100": "the EAGLE3 drafter's graph group (the MLA EAGLE3 at 512 requests: the "
                                              "largest prefill graph over 128 requests, decode over 512)",
+    "k4-tp1-b8192-s128-eagle3mla-u0985-h100": "the MLA EAGLE3 drafter's warmup reserve (planning/warmup.py "
+                                              "DRAFT_STEP_RESERVE_FRACTION: vLLM started with 1.20 times its 1.51 GiB "
+                                              "request left, round 63; round 62 was stopped by its --timeout)",
 }
 """Runs whose numbers set a fitted constant of kimi_k3_serve.planning.memory, and which constant."""
 READ_BEFORE_A_CHANGE = {

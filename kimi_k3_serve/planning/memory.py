@@ -1657,7 +1657,7 @@ def _eagle3_mla_warmup_step(model: ModelInventory, layout: Layout, draft: ModelI
              f"{layer.extra_bytes / GiB:.2f} GiB of its decode path and {held / GiB:.2f} GiB its step holds (exact "
              f"shapes, vLLM mla_attention.py forward_impl, target_dependent_ar/speculator.py _prefill), its largest "
              f"request judged with its own reserve, {DRAFT_STEP_RESERVE_FRACTION_LOW:.0%} to "
-             f"{DRAFT_STEP_RESERVE_FRACTION:.0%} (measured on five H100 runs)")
+             f"{DRAFT_STEP_RESERVE_FRACTION:.0%} (measured on seven H100 runs)")
     buffer = mnbt * draft.hidden_size * b  # the speculator's hidden-state buffer, held before warmup begins
     return MlaWarmupPeak(peak, layer.largest_request_bytes, peak - workspace - buffer, basis,
                          DRAFT_STEP_RESERVE_FRACTION, DRAFT_STEP_RESERVE_FRACTION_LOW)

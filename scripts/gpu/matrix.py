@@ -718,6 +718,8 @@ SETS: dict[str, list[Job]] = {
     # graphs as vLLM's code builds them (forty-fourth session) the runs at 8,192 / 128 leave 1.61 (0.975, started),
     # 1.48 (0.98, started) and 1.22 (0.99, out of memory) times it. This one leaves 1.35 (fixed 2026-12-07 before it
     # runs, for an H100 80GB): where it starts, the fits point may come down to it; where it fails, the low end up.
+    # Corrected in the forty-fifth session: those ratios took 16,384 tokens' 3.03 GiB request; at 8,192 over 128 the
+    # request is 1.51 GiB, and the runs left 1.72, 1.46, 0.94 and, this one, 1.20 times it (rounds 62 and 63).
     "ranks-round45-h100": [
         kimi("k4-tp1-b8192-s128-eagle3mla-u0985-h100", 4, tokens=8192, seqs=128, util=0.985, draft=EAGLE3_MLA,
              role="fit", expected_s=170),
