@@ -739,6 +739,18 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b12288-s96-dspark-u0925-h100", 4, tokens=12288, seqs=96, util=0.925, role="validation",
              expected_s=150),
     ],
+    # The proposals that rose above where vLLM started when the drafter's warmup reserve came down on round 63 (1.5 ->
+    # 1.19), each at today's proposal on round 64's host: the MLA EAGLE3 at 12,288 tokens over 192 (0.945; started at
+    # 0.94) and over 96 (0.94; 0.935), and at 16,384 over 128 (0.91; started at 0.90, out of memory at 0.915). Fixed
+    # 2026-12-07 (forty-fifth session), before they run, for an H100 80GB; all validation.
+    "ranks-round47-h100": [
+        kimi("k4-tp1-b16384-s128-eagle3mla-u091-h100", 4, tokens=16384, seqs=128, util=0.91, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b12288-s192-eagle3mla-u0945-h100", 4, tokens=12288, seqs=192, util=0.945, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b12288-s96-eagle3mla-u094-h100", 4, tokens=12288, seqs=96, util=0.94, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
