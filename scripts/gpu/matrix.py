@@ -751,6 +751,21 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b12288-s96-eagle3mla-u094-h100", 4, tokens=12288, seqs=96, util=0.94, draft=EAGLE3_MLA,
              role="validation", expected_s=170),
     ],
+    # Shapes no run has had, each at today's proposal on round 64's host (f0fd823), and one the plan refuses: DSpark
+    # at 16,384 tokens over 32 requests (0.985), the MLA EAGLE3 at 2,048 over 256 (0.98), no draft at 16,384 over 256
+    # (0.895), and DSpark with 3 draft tokens at 8,192 over 512 at 0.90, where the plan says vLLM runs out of memory
+    # by 1.53 GiB in warmup and no utilization fits. Fixed 2026-12-07 (forty-sixth session), before they run, for an
+    # H100 80GB; all validation.
+    "ranks-round48-h100": [
+        kimi("k4-tp1-b16384-s32-dspark-u0985-h100", 4, tokens=16384, seqs=32, util=0.985, role="validation",
+             expected_s=150),
+        kimi("k4-tp1-b2048-s256-eagle3mla-u098-h100", 4, tokens=2048, seqs=256, util=0.98, draft=EAGLE3_MLA,
+             role="validation", expected_s=170),
+        kimi("k4-tp1-b16384-s256-nodraft-u0895-h100", 4, tokens=16384, seqs=256, util=0.895, draft=None,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s512-dspark3-u090-h100", 4, tokens=8192, seqs=512, util=0.90, draft=DSPARK_3,
+             role="validation", expected_s=150),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
