@@ -465,7 +465,7 @@ def _proposal_lines(runs: list[RunAccuracy]) -> list[str]:
     for r in runs:
         if r.shape and r.rank == 0 and r.measured_verdict != "unknown":
             shapes.setdefault(r.shape, []).append(r)
-    rows, supported, failed_below, untried = [], 0, [], 0
+    rows, supported, failed_below, untried, below_only = [], 0, [], 0, []
     for shape_runs in shapes.values():
         started = sorted(r.utilization for r in shape_runs if r.measured_verdict == "fits")
         failures = sorted(r.utilization for r in shape_runs if r.measured_verdict in MEMORY_FAILURES)
@@ -476,9 +476,11 @@ def _proposal_lines(runs: list[RunAccuracy]) -> list[str]:
                       if r.measured_verdict == "fits" and r.proposal is not None and r.utilization >= r.proposal]
         proposals = sorted({r.proposal for r in shape_runs if r.proposal is not None})
         proposal = "-" if not proposals else " to ".join(map(str, proposals[::max(1, len(proposals) - 1)]))
-        if len(shape_runs) < 2 and not failures and not started_at:
-            continue  # one run, below the proposal: it says nothing of it
         name = min((r.name for r in shape_runs), key=len)
+        if len(shape_runs) < 2 and not failures and not started_at:
+            if started and proposals:  # one start, below the proposal: it neither supports nor contradicts it
+                below_only.append(f"{name} ({started[0]} < {proposal})")
+            continue
         others = sorted({f"{r.measured_verdict} at {r.utilization}" for r in shape_runs
                          if r.measured_verdict not in ("fits", *MEMORY_FAILURES)})
         if not started and not failures:
@@ -511,6 +513,8 @@ def _proposal_lines(runs: list[RunAccuracy]) -> list[str]:
         f"- {len(rows)} shapes: vLLM started at or above the proposal on {supported}; failed at or below it on "
         f"{len(failed_below)}" + (f" ({', '.join(failed_below)})" if failed_below else "")
         + f"; not tried at or above it on {untried}.",
+        f"- {len(below_only)} more shapes ran once, started below today's proposal, and are not in the table: the "
+        "proposal is not tried there" + (f" ({', '.join(below_only)})." if below_only else "."),
         "",
         "| shape (its shortest run name) | runs | started at | failed at (memory) | proposal | outcome |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -436,6 +436,23 @@ def test_the_proposal_started_vllm_at_shapes_no_run_had(runs, name, proposal) ->
     assert abs(accuracy.RunAccuracy.error(run.kv)) <= 0.015, run.kv
 
 
+def test_the_proposal_table_names_the_shapes_whose_one_start_was_below_the_proposal() -> None:
+    """A shape with one start, below today's proposal, says nothing of the proposal: it stays out of the table, but
+    the report names it as not tried there instead of leaving it out silently."""
+    def run(name, shape, util, verdict="fits", proposal=0.95):
+        none = (0, None)
+        return accuracy.RunAccuracy(name, "validation", verdict == "fits", verdict, "fits", none, none, none, none,
+                                    utilization=util, proposal=proposal, shape=shape)
+
+    lines = accuracy._proposal_lines([run("a-u095", "a", 0.95), run("b-u094", "b", 0.94),
+                                      run("c-u090", "c", 0.90, "oom_at_warmup")])
+    table = [line for line in lines if line.startswith("| ") and not line.startswith(("| shape", "| ---"))]
+    assert [row.split(" | ")[0] for row in table] == ["| a-u095", "| c-u090"]
+    assert "started at the proposal" in table[0] and "**vLLM failed at 0.9, at or below the proposal**" in table[1]
+    assert "- 1 more shapes ran once, started below today's proposal, and are not in the table: the proposal is not " \
+           "tried there (b-u094 (0.94 < 0.95))." in lines
+
+
 def test_estimates_are_pinned_to_the_h200_measurements(runs) -> None:
     r = runs["k4-tp1-serve-defaults-dspark"]
     assert abs(r.cuda_graph[0] - r.cuda_graph[1]) <= 0.1 * GiB  # vLLM's estimate: 3.55 GiB
