@@ -513,8 +513,9 @@ def _proposal_lines(runs: list[RunAccuracy]) -> list[str]:
         f"- {len(rows)} shapes: vLLM started at or above the proposal on {supported}; failed at or below it on "
         f"{len(failed_below)}" + (f" ({', '.join(failed_below)})" if failed_below else "")
         + f"; not tried at or above it on {untried}.",
-        f"- {len(below_only)} more shapes ran once, started below today's proposal, and are not in the table: the "
-        "proposal is not tried there" + (f" ({', '.join(below_only)})." if below_only else "."),
+        f"- {len(below_only)} more {'shape' if len(below_only) == 1 else 'shapes'} ran once, started below today's "
+        "proposal, and are not in the table: the proposal is not tried there"
+        + (f" ({', '.join(below_only)})." if below_only else "."),
         "",
         "| shape (its shortest run name) | runs | started at | failed at (memory) | proposal | outcome |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -470,7 +470,7 @@ def test_the_proposal_table_names_the_shapes_whose_one_start_was_below_the_propo
     table = [line for line in lines if line.startswith("| ") and not line.startswith(("| shape", "| ---"))]
     assert [row.split(" | ")[0] for row in table] == ["| a-u095", "| c-u090"]
     assert "started at the proposal" in table[0] and "**vLLM failed at 0.9, at or below the proposal**" in table[1]
-    assert "- 1 more shapes ran once, started below today's proposal, and are not in the table: the proposal is not " \
+    assert "- 1 more shape ran once, started below today's proposal, and are not in the table: the proposal is not " \
            "tried there (b-u094 (0.94 < 0.95))." in lines
 
 
