@@ -486,7 +486,8 @@ def test_rounds_39_and_40_bound_the_drafters_reserve_and_the_prefill_paths(accur
     warmup = next(e for e in report.estimates if e.name == "warmup_mla_decode")
     left = rank.headroom_bytes - (warmup.bytes - int(DRAFT_STEP_RESERVE_FRACTION * request))
     assert 1.1 < left / request < DRAFT_STEP_RESERVE_FRACTION_LOW  # 1.12: below the band
-    # Between where this shape started (0.90, round 50) and where it ran out of memory (0.915); not tried.
+    # Between where this shape started (0.90, round 50) and where it ran out of memory (0.915); vLLM started there
+    # (round 65, validation).
     assert report.safe_gpu_memory_utilization == 0.91
 
     report, reading = runs["k4-tp1-b12288-s64-nodraft-u0985-h100"]

@@ -75,7 +75,8 @@ Measured in the plan's own terms, as the room left beyond the rest of the step's
 (round 63, 8,192 at 0.985: the fit run fixed for this, ranks-round45-h100), 1.46 and 1.72 (round 36, 8,192), 1.51
 (round 50, 16,384) and 3.97 (round 39, 4,096). "Fits" and the proposal take this, just below the least room vLLM
 started with (1.5, below round 36's, until round 63); down to ``DRAFT_STEP_RESERVE_FRACTION_LOW`` the verdict is
-"at risk"."""
+"at risk". Scored since on round 65 (validation, at the proposals it raised): vLLM started with 1.25 (16,384 tokens,
+0.91) and 1.35 (12,288 tokens over 192 and over 96 requests)."""
 DRAFT_STEP_RESERVE_FRACTION_LOW = 1.15
 """The low end of the drafter reserve's band: just below the most room vLLM ran out of memory with when it was set
 (1.16, round 39; 1.12 in today's terms, so that run is "does not fit")."""
