@@ -9,7 +9,9 @@ forward before each graph, DSpark's first graph last) and from these logs. Per r
 - the graph set: the target's PIECEWISE and FULL graphs and DSpark's, as vLLM's progress bars count them;
 - how the capture ended: started, went on after the caching allocator's retry (at its edge), or out of memory.
 
-The plan does not use this yet (its capture stand-in and ``capture.CAPTURE_AFTER_GROWTH_ERROR`` stand for it).
+The plan weighs this moment where a DSpark draft's FlashKDA buffers grow in warmup (``capture.CAPTURE_ROOM_DSPARK``,
+in its own terms: what the capture starts on outside the budget, from its warmup model); elsewhere its stand-in
+(``capture.CAPTURE_AFTER_GROWTH_ERROR``) stands for it.
 
     python scripts/capture_moment.py
 """

@@ -173,6 +173,10 @@ READ_BEFORE_A_CHANGE = {
                                            "out of memory capturing DSpark's first graph: the stand-in's error band "
                                            "was widened to it (planning/capture.py CAPTURE_AFTER_GROWTH_ERROR, "
                                            "0.5 -> 0.875 GiB, 2026-12-07)",
+    "k4-tp1-b8192-s512-dspark3-u090-h100": "called \"does not fit\" (1.53 GiB short by the capture's stand-in after "
+                                           "FlashKDA's growth), where vLLM started: the capture's own moment with "
+                                           "DSpark replaced the stand-in after this run (planning/capture.py "
+                                           "CAPTURE_ROOM_DSPARK, chosen on rounds 40 and 47, 2026-12-07)",
 }
 """Validation runs that a change of the model was chosen on after they were read: their row is today's model, no
 longer out of sample; the error a user met before the change is kept here and printed beside the goals."""

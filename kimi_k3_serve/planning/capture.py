@@ -69,6 +69,23 @@ over: vLLM started with 0.29 GiB left by it at 8,192 tokens over 256 and 0.004 G
 capture's own moment (the graph pools captured so far, the next graph's eager forward) is not yet in the plan; at
 2,048 tokens the pools, not the autotune's forward, set it."""
 
+CAPTURE_ROOM_DSPARK = 11 * GiB // 4
+"""What vLLM's real CUDA-graph capture needs beyond what it starts on, with a DSpark draft whose FlashKDA buffers
+grow in warmup, in the plan's terms (outside the budget): the target's graph pool, DSpark's first eager forward and
+the allocator's fragmentation at its worst moment, DSpark's first graph (docs/capture-moment.md). What the capture
+starts on is warmup's entry level, held after the autotune has freed its forward, with FlashKDA's growth
+(planning/memory.py ``estimate_memory``). Chosen on the two runs of the candidate's first table (H100, 3 speculative
+tokens, 2,048 tokens over 256, 51 PIECEWISE, 49 FULL and 49 DSpark graphs): vLLM ran out of memory with 2.38 GiB of
+room beyond the start in these terms (round 47, 0.95) and started with 2.77 (round 40, 0.945); "fits" and the
+proposal take the start's, rounded down to 1/8 GiB. It replaces the stand-in (the autotune's forward with the growth
+beside it, ``CAPTURE_AFTER_GROWTH_ERROR``), which called round 67's 8,192 tokens over 512 at 0.90 "does not fit" by
+1.53 GiB where vLLM started with 5.45 GiB of room in these terms: the capture's eager forwards are at most 512
+tokens, not the autotune's 8,192. Other graph sets (42 DSpark graphs at 128 sequences: out of memory at 2.11, started
+at the allocator's retry at 2.51) are judged with the same room, their own not separated yet."""
+CAPTURE_ROOM_DSPARK_LOW = 19 * GiB // 8
+"""The low end of the capture room's band: just below the most room a capture ran out of memory with when it was
+chosen (2.38 GiB, round 47); from it up to ``CAPTURE_ROOM_DSPARK`` the verdict is "at risk"."""
+
 
 ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 """Where PyTorch reads its allocator's options, the first one set winning (``PYTORCH_CUDA_ALLOC_CONF`` is the older

@@ -43,6 +43,8 @@ from kimi_k3_serve.planning.capture import (
     CAPTURE_AFTER_GROWTH_ERROR,
     CAPTURE_RESERVE_FRACTION,
     CAPTURE_RESERVE_FRACTION_LOW,
+    CAPTURE_ROOM_DSPARK,
+    CAPTURE_ROOM_DSPARK_LOW,
     capture_prefill_requests,
     expandable_segments,
     gather_outside_budget,
@@ -673,11 +675,18 @@ def estimate_memory(
                                                     graphs_free=graphs_free, since=since, estimates=estimates)
             # The capture runs once warmup has freed its forward.
             warmup, warmup_band = _larger_need(warmup, warmup_band, capture, capture_band)
-            if growth:
+            if growth and _draft_kind(draft) == "dspark":
+                # The capture starts on what warmup left once its forward is freed, FlashKDA's growth with it, and
+                # needs its measured room beyond that at DSpark's first graph (docs/capture-moment.md).
+                moment = _dspark_capture_moment(held + growth + warmup_peak.bytes - warmup_peak.forward_bytes - act
+                                                - graphs_free + since, growth, estimates, s)
+                warmup, warmup_band = _larger_need(warmup, warmup_band, *moment)
+            elif growth:
                 # After warmup's prefill FlashKDA's growth is held too, while the capture's eager forwards run
                 # into the same room: weighed as the autotune's forward with the growth beside it. A stand-in, not
                 # the capture's own forward: round 44 (H100, 3 speculative tokens, 4,096 over 512, 0.925) ran out
-                # of memory capturing DSpark's graphs where the autotune's moment alone left room.
+                # of memory capturing DSpark's graphs where the autotune's moment alone left room. No capture
+                # without DSpark has run out of memory this way, so its own room is unmeasured.
                 grown, grown_band, _, _ = _warmup_outside(warmup_peak.target or warmup_peak, act, graphs_free, since,
                                                           held + growth)
                 warmup, warmup_band = _larger_need(warmup, warmup_band, grown + CAPTURE_AFTER_GROWTH_ERROR,
@@ -1448,6 +1457,23 @@ def _warmup_outside(peak: MlaWarmupPeak, act: int, graphs_free: int, since: int,
     warmup = max(0, held + over - graphs_free + since + reserve)
     band = min(warmup, reserve - int(peak.reserve_fraction_low * peak.largest_request_bytes))
     return warmup, band, over, reserve
+
+
+def _dspark_capture_moment(start_bytes: int, growth_bytes: int, estimates: list[Estimate],
+                           stage: int) -> tuple[int, int]:
+    """What vLLM's real CUDA-graph capture needs outside the budget with a DSpark draft whose FlashKDA buffers grew in
+    warmup: what it starts on (``start_bytes``, outside the budget) and ``capture.CAPTURE_ROOM_DSPARK`` beyond it;
+    with the part of it within the room's measured band."""
+    need = max(0, start_bytes + CAPTURE_ROOM_DSPARK)
+    band = min(need, CAPTURE_ROOM_DSPARK - CAPTURE_ROOM_DSPARK_LOW)
+    estimates.append(Estimate("capture_moment", stage, need, 0,
+                              f"the CUDA-graph capture after warmup starts on {start_bytes / GiB:.2f} GiB outside the "
+                              f"budget (warmup's entry level once its forward is freed, FlashKDA's growth of "
+                              f"{growth_bytes / GiB:.2f} GiB with it) and needs {CAPTURE_ROOM_DSPARK / GiB:.2f} GiB "
+                              f"beyond that at DSpark's first graph (measured on H100 runs; at risk down to "
+                              f"{CAPTURE_ROOM_DSPARK_LOW / GiB:.2f}; docs/capture-moment.md): {need / GiB:.2f} GiB "
+                              "outside the budget"))
+    return need, band
 
 
 def _with_own_moment(costs: StageCosts, own_bytes: int, own_band_bytes: int) -> StageCosts:
