@@ -766,6 +766,23 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b8192-s512-dspark3-u090-h100", 4, tokens=8192, seqs=512, util=0.90, draft=DSPARK_3,
              role="validation", expected_s=150),
     ],
+    # The capture's own moment with DSpark (planning/capture.py CAPTURE_ROOM_DSPARK, forty-seventh session), scored
+    # out of sample, each on round 67's host (its shapes no run had, or its proposal between a start and a failure):
+    # 6,144 tokens over 384 at its proposal (0.93; the stand-in proposed 0.905), 2,048 over 192 at 0.96, where the plan
+    # says vLLM runs out of memory capturing DSpark's first graph, 0.09 GiB beyond the room's band (the stand-in
+    # proposed 0.965), 4,096 over 512 at its proposal (0.915; started at 0.905, out of memory at 0.925) and 8,192 over
+    # 512 at its proposal (0.905; started at 0.90). Fixed 2026-12-07 (forty-seventh session), before they run, for an
+    # H100 80GB; all validation.
+    "ranks-round49-h100": [
+        kimi("k4-tp1-b6144-s384-dspark3-u093-h100", 4, tokens=6144, seqs=384, util=0.93, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b2048-s192-dspark3-u096-h100", 4, tokens=2048, seqs=192, util=0.96, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b4096-s512-dspark3-u0915-h100", 4, tokens=4096, seqs=512, util=0.915, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s512-dspark3-u0905-h100", 4, tokens=8192, seqs=512, util=0.905, draft=DSPARK_3,
+             role="validation", expected_s=150),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
