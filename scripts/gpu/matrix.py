@@ -783,6 +783,19 @@ SETS: dict[str, list[Job]] = {
         kimi("k4-tp1-b8192-s512-dspark3-u0905-h100", 4, tokens=8192, seqs=512, util=0.905, draft=DSPARK_3,
              role="validation", expected_s=150),
     ],
+    # The proposals that rose above where vLLM last started when the capture's room replaced the stand-in (forty-
+    # seventh session), each at today's proposal on round 67's host: 3,072 tokens over 384 at 0.93 (started at 0.925,
+    # out of memory capturing at 0.935), 4,096 over 256 at 0.95 (started at 0.945) and 8,192 over 256 at 0.945
+    # (started at 0.93; the autotune's moment sets it). Fixed 2026-12-07, before they run, for an H100 80GB; all
+    # validation.
+    "ranks-round50-h100": [
+        kimi("k4-tp1-b3072-s384-dspark3-u093-h100", 4, tokens=3072, seqs=384, util=0.93, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b4096-s256-dspark3-u095-h100", 4, tokens=4096, seqs=256, util=0.95, draft=DSPARK_3,
+             role="validation", expected_s=150),
+        kimi("k4-tp1-b8192-s256-dspark3-u0945-h100", 4, tokens=8192, seqs=256, util=0.945, draft=DSPARK_3,
+             role="validation", expected_s=150),
+    ],
     "ranks-round28": [
         kimi("k6-tp1-b8192-s768-dspark-u089", 6, tokens=8192, seqs=768, util=0.89, role="validation", expected_s=150),
         kimi("k8-tp1-b8192-s512-nodraft-u093", 8, tokens=8192, seqs=512, util=0.93, draft=None, role="validation",
