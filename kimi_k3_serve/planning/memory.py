@@ -787,14 +787,15 @@ def estimate_memory(
         within = warm.warmup_shortfall_bytes <= warm.warmup_band_bytes
         notes.append(
             (f"at risk: vLLM may OOM in warmup on rank {warm.rank}, short by {warm.warmup_shortfall_bytes / GiB:.2f} "
-             f"GiB, within the allocator reserve's measured band ({warm.warmup_band_bytes / GiB:.2f} GiB) either way: "
+             f"GiB, within its measured band ({warm.warmup_band_bytes / GiB:.2f} GiB) either way: "
              if within else f"vLLM would OOM allocating the KV cache or in warmup on rank {warm.rank} by "
              f"{warm.warmup_shortfall_bytes / GiB:.2f} GiB: ")
             + f"{warm.after_kv_bytes / GiB:.2f} GiB that vLLM's KV sizing does "
             f"not see (its shared workspace grown past the profile's: TRITON_MLA's decode logits for a DSpark draft "
             f"before the KV cache, FlashKDA's prefill buffers in warmup; what kernel warmup's MLA decode path holds "
             f"beyond the CUDA-graph estimate; KDA's gathered states at the largest CUDA-graph capture, with the "
-            f"allocator's reserve; with enforce_eager at TP > 1, the fused all-reduce's residuals) and only "
+            f"allocator's reserve; the capture's graph pool and DSpark's first eager forward, beyond what warmup "
+            f"left; with enforce_eager at TP > 1, the fused all-reduce's residuals) and only "
             f"{max(warm.headroom_bytes, 0) / GiB:.2f} GiB is left outside the budget"
             + (f"; gpu_memory_utilization {safe_util} or lower leaves room" if safe_util else ""))
     # The rank that decides: the one furthest short, else the one whose pool sets the engine's block count.

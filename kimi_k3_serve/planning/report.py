@@ -185,7 +185,8 @@ def build_report(
                    "that vLLM's KV sizing does not see (its shared workspace past the profile's: TRITON_MLA's decode "
                    "logits for a DSpark draft, FlashKDA's prefill buffers; what kernel warmup's MLA decode path holds "
                    "beyond the CUDA-graph estimate; KDA's gathered states at the largest CUDA-graph capture, with "
-                   "the allocator's reserve) does not fit outside the budget"
+                   "the allocator's reserve; the capture's graph pool and DSpark's first eager forward) does not fit "
+                   "outside the budget"
                    + (f"; set gpu_memory_utilization to {safe} or lower" if safe else "")
                    + (f"; no gpu_memory_utilization fits: {memory.no_safe_utilization}"
                       if memory.no_safe_utilization else ""))
