@@ -7,7 +7,8 @@ forward before each graph, DSpark's first graph last) and from these logs. Per r
   warmup (vLLM's "Resized workspace from 'kda.py:...:_forward'" line after it, if any): what the capture starts on;
 - T - C0: the room the capture had, T being the device total torch sees (``host.json``);
 - the graph set: the target's PIECEWISE and FULL graphs and DSpark's, as vLLM's progress bars count them;
-- how the capture ended: started, went on after the caching allocator's retry (at its edge), or out of memory.
+- how the capture ended: started, went on after the caching allocator's retry (at its edge), or out of memory;
+- the room today's plan leaves the capture beyond what it starts on, where the plan weighs that moment.
 
 The plan weighs this moment where a DSpark draft's FlashKDA buffers grow in warmup (``capture.CAPTURE_ROOM_DSPARK``,
 in its own terms: what the capture starts on outside the budget, from its warmup model); elsewhere its stand-in
@@ -28,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from memory_accuracy import run_dirs  # noqa: E402
+from memory_accuracy import predict_run, run_dirs  # noqa: E402
 from kimi_k3_serve import recorded  # noqa: E402
+from kimi_k3_serve.planning.capture import CAPTURE_ROOM_DSPARK  # noqa: E402
 from kimi_k3_serve.rehearsal.vllm_log import parse_vllm_log  # noqa: E402
 from kimi_k3_serve.units import GiB, MiB  # noqa: E402
 
@@ -46,6 +48,8 @@ class CaptureRoom:
     """The real capture's target PIECEWISE, target FULL and DSpark graphs (the last of each progress bar's counts)."""
     outcome: str
     """"started", "at its edge" (the allocator ran out, released its cache and went on) or "out of memory"."""
+    plan_room_bytes: int | None
+    """The room today's plan leaves the capture beyond what it starts on, in the plan's terms (``plan_room``)."""
 
     @property
     def room_bytes(self) -> int:
@@ -76,7 +80,20 @@ def capture_room(run_dir: Path) -> CaptureRoom | None:
         c0_bytes=reading.workers[0].warmup_peaks[0].allocated_at_entry_bytes + grown,
         graphs=(counts.get(("target", "PIECEWISE"), 0), counts.get(("target", "FULL"), 0),
                 counts.get(("dspark", "FULL"), 0)),
-        outcome="out of memory" if reading.oom is not None else "at its edge" if edge else "started")
+        outcome="out of memory" if reading.oom is not None else "at its edge" if edge else "started",
+        plan_room_bytes=plan_room(run_dir))
+
+
+def plan_room(run_dir: Path) -> int | None:
+    """The room today's plan leaves the run's capture beyond what the capture starts on, in the plan's terms (outside
+    the budget), where the plan weighs the capture's own moment (a DSpark draft whose FlashKDA buffers grow in
+    warmup: ``capture.CAPTURE_ROOM_DSPARK``); None elsewhere. Where the start is so far inside the budget that the
+    moment needs nothing outside it, this is a lower bound."""
+    report, _ = predict_run(run_dir)
+    moment = next((e for e in report.estimates if e.name == "capture_moment"), None)
+    if moment is None:
+        return None
+    return report.ranks[0].headroom_bytes - (moment.bytes - CAPTURE_ROOM_DSPARK)
 
 
 def capture_rooms() -> list[CaptureRoom]:
@@ -84,10 +101,12 @@ def capture_rooms() -> list[CaptureRoom]:
 
 
 def main() -> int:
-    print("| run | graphs (target PIECEWISE / FULL, DSpark) | T - C0 GiB | capture |")
-    print("| --- | --- | --- | --- |")
+    print("| run | graphs (target PIECEWISE / FULL, DSpark) | T - C0 GiB | room beyond the start, plan GiB | capture |")
+    print("| --- | --- | --- | --- | --- |")
     for room in sorted(capture_rooms(), key=lambda r: (r.graphs, r.room_bytes)):
-        print(f"| {room.name} | {' / '.join(map(str, room.graphs))} | {room.room_bytes / GiB:.2f} | {room.outcome} |")
+        plan = "-" if room.plan_room_bytes is None else f"{room.plan_room_bytes / GiB:.2f}"
+        print(f"| {room.name} | {' / '.join(map(str, room.graphs))} | {room.room_bytes / GiB:.2f} | {plan} | "
+              f"{room.outcome} |")
     return 0
 
 
