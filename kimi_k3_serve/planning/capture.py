@@ -65,9 +65,9 @@ where the stand-in left 0.44 GiB, and round 47 (0.95, the proposal with a 0.5 Gi
 graph, with the target's 0.95 GiB of graph pools and 0.54 GiB of cached, unused blocks held, where it left 0.83 GiB.
 So the stand-in was at least 0.83 GiB under; the band is that, rounded up to the next 1/8 GiB. Within it the verdict
 is "at risk", and the proposal keeps clear of it; beyond it, "does not fit" as before. Elsewhere the stand-in is
-over: vLLM started with 0.29 GiB left by it at 8,192 tokens over 256 and 0.004 GiB on an H200's 6-layer slice. The
-capture's own moment (the graph pools captured so far, the next graph's eager forward) is not yet in the plan; at
-2,048 tokens the pools, not the autotune's forward, set it."""
+over: vLLM started with 0.29 GiB left by it at 8,192 tokens over 256 and 0.004 GiB on an H200's 6-layer slice. With a
+DSpark draft the capture's own moment (``CAPTURE_ROOM_DSPARK``) has replaced the stand-in since the forty-seventh
+session; the stand-in and this band stay only for a capture without DSpark, where FlashKDA grows in warmup."""
 
 CAPTURE_ROOM_DSPARK = 11 * GiB // 4
 """What vLLM's real CUDA-graph capture needs beyond what it starts on, with a DSpark draft whose FlashKDA buffers
