@@ -670,16 +670,17 @@ def estimate_memory(
                 # the target's forward, freed before it, is what the capture is weighed beside.
                 own_moment, own_moment_band = warmup, warmup_band
                 warmup, warmup_band, _, _ = _warmup_outside(warmup_peak.target, act, graphs_free, since, held)
+            # The capture runs once warmup has freed its forward: on what warmup began with.
+            held_after_warmup = warmup_peak.bytes - warmup_peak.forward_bytes + held
             capture, capture_band = _capture_gather(model, layout, engine, s, start, end, mnbt, seqs, cc,
-                                                    held=warmup_peak.bytes - warmup_peak.forward_bytes + held, act=act,
-                                                    graphs_free=graphs_free, since=since, estimates=estimates)
-            # The capture runs once warmup has freed its forward.
+                                                    held=held_after_warmup, act=act, graphs_free=graphs_free,
+                                                    since=since, estimates=estimates)
             warmup, warmup_band = _larger_need(warmup, warmup_band, capture, capture_band)
             if growth and _draft_kind(draft) == "dspark":
-                # The capture starts on what warmup left once its forward is freed, FlashKDA's growth with it, and
-                # needs its measured room beyond that at DSpark's first graph (docs/capture-moment.md).
-                moment = _dspark_capture_moment(held + growth + warmup_peak.bytes - warmup_peak.forward_bytes - act
-                                                - graphs_free + since, growth, estimates, s)
+                # FlashKDA's growth is held by then too; the capture needs its measured room beyond that at DSpark's
+                # first graph (docs/capture-moment.md).
+                moment = _dspark_capture_moment(held_after_warmup + growth - act - graphs_free + since, growth,
+                                                estimates, s)
                 warmup, warmup_band = _larger_need(warmup, warmup_band, *moment)
             elif growth:
                 # After warmup's prefill FlashKDA's growth is held too, while the capture's eager forwards run
