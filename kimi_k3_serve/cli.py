@@ -16,6 +16,7 @@ from typing import Sequence
 
 from kimi_k3_serve import __version__
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError, KimiK3ServeError
+from kimi_k3_serve.tokens import mask_tokens
 
 EXIT_OK = 0
 EXIT_DOES_NOT_FIT = 1
@@ -43,7 +44,7 @@ def _available_commands() -> dict[str, tuple[str, str]]:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own bad-input path: same exit code and one line, as ours
-        self.exit(EXIT_BAD_INPUT, f"error: {one_line_argparse_error(message, self.prog)}\n")
+        self.exit(EXIT_BAD_INPUT, f"error: {mask_tokens(one_line_argparse_error(message, self.prog))}\n")
 
 
 _ARGPARSE_MESSAGES = [
@@ -87,13 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args))
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {mask_tokens(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except DoesNotFitError as exc:
-        print(f"does not fit: {exc}", file=sys.stderr)
+        print(f"does not fit: {mask_tokens(str(exc))}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     except KimiK3ServeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {mask_tokens(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

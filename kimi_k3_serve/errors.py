@@ -22,7 +22,7 @@ class ConfigError(KimiK3ServeError, ValueError):
         self.value = value
         self.allowed = allowed
         self.source = source
-        where = f"{source}: " if source else ""
+        where = f"{_shown_source(source)}: " if source else ""
         super().__init__(f"{where}{field}: got {_show(value)}; {allowed}")
 
 
@@ -52,5 +52,15 @@ class DoesNotFitError(KimiK3ServeError):
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    """The value as an error shows it: credential-shaped parts masked (before the cut, which could hide their shape),
+    at most 120 characters."""
+    from kimi_k3_serve.tokens import mask_tokens
+
+    text = mask_tokens(repr(value))
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _shown_source(source: str) -> str:
+    from kimi_k3_serve.tokens import mask_tokens
+
+    return mask_tokens(str(source))

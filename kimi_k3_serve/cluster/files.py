@@ -4,6 +4,8 @@ problem is a ConfigError naming the field."""
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 from kimi_k3_serve.errors import ConfigError
@@ -64,11 +66,20 @@ def parse_cluster_document(document: Any, source: str = "<cluster>") -> ClusterI
         raise
     raise ConfigError(
         "(top level)",
-        sorted(map(str, document))[:8],
+        _key_names(document),
         "a Ray cluster launcher file (available_node_types), a KubeRay RayCluster/RayService (kind), "
         "or a cluster description (nodes: [{count, gpu, gpus}])",
         source=source,
     )
+
+
+def _key_names(document: dict) -> list[str]:
+    """The top-level keys to show when a file is not a cluster file: those shaped like field names, so that a file
+    given by mistake (a password file, a key) is not echoed line by line."""
+    names = sorted(k for k in map(str, document) if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,39}", k))
+    others = len(document) - len(names)
+    return names[:8] + ([f"... {len(names) - 8} more"] if len(names) > 8 else []) + (
+        [f"{others} key(s) not shaped like field names"] if others else [])
 
 
 # Bounds that keep a typo (``count: 100000000``) from building millions of nodes in memory.
