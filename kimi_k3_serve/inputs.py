@@ -46,7 +46,10 @@ def read_text_file(path: str | os.PathLike, field: str, *, what: str) -> str:
         if opened.st_size > MAX_FILE_BYTES:
             raise ConfigError(field, shown, f"expected {what} of at most {MAX_FILE_BYTES:,} bytes "
                                             f"(this one has {opened.st_size:,})")
-        data = handle.read(MAX_FILE_BYTES + 1)
+        try:
+            data = handle.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:  # e.g. /proc/self/mem: a "regular file" of size 0 whose reads fail
+            raise ConfigError(field, shown, f"expected {what}: cannot be read ({exc.strerror})") from None
     if len(data) > MAX_FILE_BYTES:  # grew since the fstat
         raise ConfigError(field, shown, f"expected {what} of at most {MAX_FILE_BYTES:,} bytes")
     try:
@@ -93,9 +96,24 @@ def _check_yaml_size(events, field: str, source: str) -> None:
     import yaml
 
     open_sizes: list[list] = []  # per open collection: [expanded node count so far, its anchor]
+    open_keys: list[list | None] = []  # per open collection: a mapping's [keys seen, next node is a key], or None
     anchored: dict[str, int] = {}  # anchor -> expanded node count of what it names
     open_anchors: set[str] = set()
     total = 0
+
+    def place(event) -> None:
+        """A node opens inside the innermost collection: a mapping's key must not repeat (PyYAML keeps the last)."""
+        frame = open_keys[-1] if open_keys else None
+        if frame is None:
+            return
+        keys, is_key = frame
+        frame[1] = not is_key
+        if is_key and isinstance(event, yaml.ScalarEvent) and event.value != "<<":
+            if event.value in keys:
+                raise ConfigError(field, source, f"expected each key once in a mapping (`{event.value[:60]}` is "
+                                                 f"repeated at line {event.start_mark.line + 1}; YAML would keep the "
+                                                 "last one silently)")
+            keys.add(event.value)
 
     def add(count: int) -> None:
         nonlocal total
@@ -107,6 +125,8 @@ def _check_yaml_size(events, field: str, source: str) -> None:
             open_sizes[-1][0] += count
 
     for event in events:
+        if isinstance(event, (yaml.AliasEvent, yaml.ScalarEvent, yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            place(event)
         if isinstance(event, yaml.AliasEvent):
             if event.anchor in open_anchors:
                 raise ConfigError(field, source, f"expected a YAML document without self-reference (alias "
@@ -121,10 +141,12 @@ def _check_yaml_size(events, field: str, source: str) -> None:
                 raise ConfigError(field, source, f"expected YAML nested at most {MAX_DEPTH} levels deep")
             add(1)
             open_sizes.append([1, event.anchor])
+            open_keys.append([set(), True] if isinstance(event, yaml.MappingStartEvent) else None)
             if event.anchor:
                 open_anchors.add(event.anchor)
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             size, anchor = open_sizes.pop()
+            open_keys.pop()
             if open_sizes:
                 open_sizes[-1][0] += size - 1  # its own node was counted when it opened
             if anchor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kimi_k3_serve.config.args import ServeArgs, resolve_source, source_kind
+from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.checkpoint import (CheckpointListing, CheckpointPlan, DiskVerdict, NodeBandwidth, NodeNeed,
                                                disk_verdict, node_bandwidth, node_load, plan_checkpoint,
                                                synthetic_listing)
@@ -47,11 +48,11 @@ def declared_disks(cluster_path: str) -> dict[str, DeclaredDisk]:
                                       cluster_path, all_documents=True), source=cluster_path)
     out: dict[str, DeclaredDisk] = {}
     types = document.get("available_node_types") if isinstance(document, dict) else None
-    for name, node_type in (types or {}).items():
-        config = (node_type or {}).get("node_config") or {}
+    for name, node_type in (types if isinstance(types, dict) else {}).items():
+        config = node_type.get("node_config") if isinstance(node_type, dict) else None
+        config = config if isinstance(config, dict) else {}
         instance = config.get("InstanceType") or config.get("machineType")
-        volumes = [m.get("Ebs") or {} for m in config.get("BlockDeviceMappings") or () if isinstance(m, dict)]
-        volumes = [v for v in volumes if isinstance(v.get("VolumeSize"), int)]
+        volumes = _ebs_volumes(config, f"available_node_types.{name}.node_config", cluster_path)
         if not volumes:
             out[name] = DeclaredDisk(instance, None, None, "no volume declared")
             continue
@@ -61,6 +62,37 @@ def declared_disks(cluster_path: str) -> dict[str, DeclaredDisk]:
         out[name] = DeclaredDisk(instance, volume["VolumeSize"] * GiB, rate,
                                  f"EBS {kind} {volume['VolumeSize']:,} GiB (cluster file); read: {why}", why)
     return out
+
+
+def _ebs_volumes(config: dict, where: str, source: str) -> list[dict]:
+    """The EBS volumes a launcher file's ``node_config`` declares, each with a whole positive ``VolumeSize`` (GiB):
+    a size or throughput that is not one is bad input, not a volume silently left out."""
+    mappings = config.get("BlockDeviceMappings")
+    if mappings is None:
+        return []
+    if not isinstance(mappings, list):
+        raise ConfigError(f"{where}.BlockDeviceMappings", mappings, "expected a list of {DeviceName, Ebs} mappings",
+                          source=source)
+    volumes = []
+    for i, mapping in enumerate(mappings):
+        here = f"{where}.BlockDeviceMappings[{i}]"
+        if not isinstance(mapping, dict):
+            raise ConfigError(here, mapping, "expected a mapping such as {DeviceName: /dev/sda1, Ebs: {VolumeSize: "
+                                             "1000}}", source=source)
+        volume = mapping.get("Ebs")
+        if volume is None:
+            continue
+        if not isinstance(volume, dict):
+            raise ConfigError(f"{here}.Ebs", volume, "expected a mapping such as {VolumeSize: 1000, VolumeType: gp3}",
+                              source=source)
+        for key, unit in (("VolumeSize", "GiB"), ("Throughput", "MiB/s")):
+            value = volume.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{here}.Ebs.{key}", value, f"expected a whole number of {unit} of at least 1",
+                                  source=source)
+        if volume.get("VolumeSize") is not None:  # without it AWS sizes the volume from its snapshot: not known here
+            volumes.append(volume)
+    return volumes
 
 
 def listing_of(source: str, *, field: str, model: Any, mode: str) -> CheckpointListing:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -57,9 +58,10 @@ OWNED_ENGINE_KWARGS: dict[str, str] = {
 
 
 class Section(BaseModel):
-    """Base of every section: unknown keys are errors, values are immutable once validated."""
+    """Base of every section: unknown keys are errors, values are immutable once validated, and types are strict (YAML's
+    ``true`` is not the count 1, nor ``0`` false)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelArgs(Section):
@@ -296,6 +298,16 @@ class RuntimeEnvArgs(Section):
         check_nvls_env(value)  # the plan counts NCCL's NVLS buffers from these
         return value
 
+    @field_validator("env_vars")
+    @classmethod
+    def _whole_seconds(cls, value: dict[str, str]) -> dict[str, str]:
+        # Ray Serve LLM reads it with int() when it starts the engine: "abc" or "1.5" would fail there, on the GPUs.
+        name = "RAYLLM_ENGINE_START_TIMEOUT_S"
+        if name in value and not (re.fullmatch(r"[0-9]{1,9}", value[name]) and int(value[name]) > 0):
+            raise ConfigError(f"args.runtime_env.env_vars.{name}", value[name],
+                              "expected a whole number of seconds of at least 1, as text (e.g. \"6540\")")
+        return value
+
 
 # A key written into the Serve config would be stored in Serve's checkpoints and shown by `serve status`
 # (kimi_k3_serve.config.secrets refuses every secret-named field before validation; these are the schema's own).
@@ -480,10 +492,19 @@ def config_error_from(
         return ConfigError(path, NotShown(), allowed + more, source=source)
     if kind == "missing":
         return ConfigError(path, MISSING, "required field is missing" + more, source=source)
-    message = first["msg"]
+    message = STRICT_TYPE_WORDS.get(kind) or first["msg"]
     for prefix in ("Value error, ", "Assertion failed, "):
         message = message.removeprefix(prefix)
     return ConfigError(path, first.get("input"), message + more, source=source)
+
+
+STRICT_TYPE_WORDS = {
+    "int_type": "expected a whole number, written as one (not true/false, text or a decimal)",
+    "float_type": "expected a number, written as one (not true/false or text)",
+    "bool_type": "expected true or false (not a number or text)",
+    "string_type": "expected text (in YAML, quote a number or true: \"1\")",
+}
+"""The sections are strict (``Section.model_config``): YAML's ``true`` is not the count 1 and ``0`` is not false."""
 
 
 def dotted(root: str, loc: tuple[int | str, ...]) -> str:

@@ -55,6 +55,7 @@ def _read_and_validate(path: str | Path) -> tuple[dict[str, Any], str]:
     from kimi_k3_serve.config.serve_schema import accepts_without_ray
 
     if accepts_without_ray(data):
+        _check_http_options(data, source)
         return data, "snapshot"
 
     from pydantic import ValidationError
@@ -65,7 +66,28 @@ def _read_and_validate(path: str | Path) -> tuple[dict[str, Any], str]:
     except ValidationError as exc:
         raise config_error_from(exc, root="config", source=source) from None
     _reject_unknown_keys(data, source)
+    _check_http_options(data, source)
     return data, "ray"
+
+
+HTTP_SECONDS = ("keep_alive_timeout_s", "request_timeout_s")
+
+
+def _check_http_options(data: dict[str, Any], source: str) -> None:
+    """What Serve's schema lets through but its proxy cannot use: a port outside 1-65535 (or true), a negative,
+    infinite or non-numeric timeout. ``render`` and the ingress would otherwise carry them to the nodes."""
+    http = data.get("http_options")
+    if not isinstance(http, dict):
+        return
+    port = http.get("port", 8000)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError("config.http_options.port", port, "expected a whole number from 1 to 65535", source=source)
+    for key in HTTP_SECONDS:
+        seconds = http.get(key)
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not 0 <= seconds < float("inf")):
+            raise ConfigError(f"config.http_options.{key}", seconds, "expected a finite number of seconds >= 0",
+                              source=source)
 
 
 def _reject_unknown_keys(data: dict[str, Any], source: str) -> None:
