@@ -128,6 +128,19 @@ CONFIG_CASES = [
     Case("nvls-chunk-not-bytes", "args.runtime_env.env_vars.NCCL_NVLS_CHUNKSIZE",
          _set("runtime_env.env_vars.NCCL_NVLS_CHUNKSIZE", "128K")),
     Case("args-a-list", "args", lambda d: d["applications"][0].__setitem__("args", ["model"])),
+    # YAML's true is not the count 1, nor 0 false (the sections are strict)
+    Case("max-model-len-true", "args.limits.max_model_len", _set("limits.max_model_len", True)),
+    Case("tp-true", "args.parallel.tensor_parallel_size", _set("parallel.tensor_parallel_size", True)),
+    Case("gpu-util-true", "args.limits.gpu_memory_utilization", _set("limits.gpu_memory_utilization", True)),
+    Case("speculative-tokens-true", "args.speculative.num_speculative_tokens",
+         _set("speculative.num_speculative_tokens", True)),
+    Case("max-replicas-true", "args.autoscaling.max_replicas", _set("autoscaling.max_replicas", True)),
+    Case("require-api-key-zero", "args.security.require_api_key", _set("security.require_api_key", 0)),
+    Case("max-model-len-a-decimal", "args.limits.max_model_len", _set("limits.max_model_len", 4096.0)),
+    Case("engine-start-timeout-text", "args.runtime_env.env_vars.RAYLLM_ENGINE_START_TIMEOUT_S",
+         _set("runtime_env.env_vars.RAYLLM_ENGINE_START_TIMEOUT_S", "abc")),
+    Case("engine-start-timeout-zero", "args.runtime_env.env_vars.RAYLLM_ENGINE_START_TIMEOUT_S",
+         _set("runtime_env.env_vars.RAYLLM_ENGINE_START_TIMEOUT_S", "0")),
     # unknown keys
     Case("unknown-top-key", "args.replicas", _set("replicas", 2)),
     Case("typo-in-parallel", "args.parallel.tensor_paralel_size", _set("parallel.tensor_paralel_size", 8)),
@@ -201,6 +214,17 @@ CONFIG_CASES = [
     Case("no-applications", "applications", lambda d: d.__setitem__("applications", [])),
     Case("two-builder-apps", "config.applications", _two_builder_apps),
     Case("http-port-text", "config.http_options.port", lambda d: d["http_options"].__setitem__("port", "http")),
+    Case("http-port-negative", "config.http_options.port", lambda d: d["http_options"].__setitem__("port", -1)),
+    Case("http-port-zero", "config.http_options.port", lambda d: d["http_options"].__setitem__("port", 0)),
+    Case("http-port-true", "config.http_options.port", lambda d: d["http_options"].__setitem__("port", True)),
+    Case("http-keep-alive-negative", "config.http_options.keep_alive_timeout_s",
+         lambda d: d["http_options"].__setitem__("keep_alive_timeout_s", -1)),
+    # a token pasted into a field of any name is refused by its shape, and not echoed
+    Case("token-in-model-source", "args.model.source", _set("model.source", "hf_" + "a1B2c3" * 6)),
+    Case("token-in-env-value", "args.runtime_env.env_vars.MY_THING",
+         _set("runtime_env.env_vars.MY_THING", "ghp_" + "Zx9" * 12)),
+    Case("duplicate-key", "max_num_seqs",
+         raw_config=GOOD_CONFIG.read_text().replace("      limits:\n", "      limits:\n        max_num_seqs: 4\n")),
     Case("bad-yaml", "config", raw_config="applications:\n  - name: [unclosed\n"),
     Case("yaml-a-list", "config", raw_config="- 1\n- 2\n"),
     Case("empty-file", "config", raw_config=""),
@@ -240,6 +264,17 @@ CLUSTER_CASES = [
          cluster=_kuberay_group(rayStartParams={"resources": "{not json"})),
     Case("kuberay-hosts-zero", "workerGroupSpecs[0].numOfHosts", cluster_format="kuberay",
          cluster=_kuberay_group(numOfHosts=0)),
+    Case("launcher-block-devices-a-number", "node_config.BlockDeviceMappings", cluster_format="launcher",
+         cluster=lambda d: d["available_node_types"]["gpu_8xh200"]["node_config"]
+         .__setitem__("BlockDeviceMappings", 5)),
+    Case("launcher-ebs-text", "BlockDeviceMappings[0].Ebs", cluster_format="launcher",
+         cluster=lambda d: d["available_node_types"]["gpu_8xh200"]["node_config"]["BlockDeviceMappings"][0]
+         .__setitem__("Ebs", "abc")),
+    *[Case(f"launcher-volume-size-{name}", "BlockDeviceMappings[0].Ebs.VolumeSize", cluster_format="launcher",
+           cluster=lambda d, size=size: d["available_node_types"]["gpu_8xh200"]["node_config"]["BlockDeviceMappings"][0]
+           ["Ebs"].__setitem__("VolumeSize", size))
+      for name, size in (("negative", -1), ("zero", 0), ("true", True), ("text", "abc"), ("nan", float("nan")))],
+    Case("cluster-duplicate-key", "count", raw_cluster="nodes:\n  - {count: 2, gpu: H200, count: 1}\n"),
 ]
 
 # The planner checks these; it names its own pins (``tp``, ``layout.pp``, ``layer_partition``) rather than
@@ -314,6 +349,7 @@ def test_check_refuses_bad_input_naming_the_field(case: Case, tmp_path, capsys):
     code, out, err = run_cli(["check", "--config", str(config), "--cluster", str(cluster)], capsys)
     assert_clear_bad_input(code, out, err, case.field, paths=[str(config), str(cluster)])
     assert not ray.is_initialized()  # nothing started
+    assert "a1B2c3a1B2c3" not in err and "Zx9Zx9Zx9" not in err  # the token cases' values are not echoed
 
 
 def test_the_matrix_is_large_and_its_bases_are_good(capsys):
@@ -369,9 +405,20 @@ PLAN = ["plan", "--model", "kimi-k3", "--max-model-len", "8192"]
         (["--cluster", "/no/such/cluster.yaml"], "cluster"),
         (["--gpu", "H200", "--nodes", "2", "--kv-cache-dtype", "fp4"], "--kv-cache-dtype"),
         (["--gpu", "H200", "--nodes", "two"], "--nodes"),
+        # refused before a search over 256 nodes, as `memory` refuses it
+        (["--gpu", "H200", "--nodes", "2", "--speculative-method", "eagle3", "--draft", "kimi-k3-dspark"],
+         "--speculative-method"),
+        (["--gpu", "H200", "--nodes", "2", "--speculative-method", "dspark", "--draft", "no-such-draft"], "--draft"),
+        (["--gpu", "H200", "--nodes", "2", "--tp", "16"], "--tp"),  # wider than a node's NVLink domain
+        # options that mean something only with others are not silently dropped
+        (["--gpu", "H200", "--nodes", "2", "--num-speculative-tokens", "4"], "--num-speculative-tokens"),
+        (["--gpu", "H200", "--nodes", "2", "--draft-tp", "1"], "--draft-tp"),
+        (["--gpu", "H200", "--nodes", "2", "--as-is"], "--as-is"),
     ],
     ids=["gpu-unknown", "nodes-zero", "gpus-per-node-zero", "nodes-missing", "tp-not-dividing", "partition-text",
-         "draft-missing", "cluster-missing", "kv-dtype-choice", "nodes-text"],
+         "draft-missing", "cluster-missing", "kv-dtype-choice", "nodes-text", "draft-of-another-method",
+         "draft-absent", "tp-wider-than-nvlink", "speculative-tokens-without-draft", "draft-tp-without-draft",
+         "as-is-without-cluster"],
 )
 def test_plan_refuses_bad_input_naming_the_field(extra, field, capsys):
     code, out, err = run_cli(PLAN + extra, capsys)
@@ -627,3 +674,114 @@ def test_rehearse_leaves_no_temp_folder(extra, code_expected, tmp_path, capsys, 
     assert code == code_expected, err
     assert "kimi-k3-rehearse-" in out or code_expected == 2  # the dry run did use a temp folder
     assert list(tmp_path.glob("kimi-k3-rehearse-*")) == []
+
+
+# --- flags that used to end in a traceback or be silently misread: one line, exit 2 ----------------------------------
+
+CHECK = ["check", "--config", str(GOOD_CONFIG)]
+MEMORY = ["memory", "--gpu", "H200", "--tp", "8", "--pp", "2", "--max-model-len", "8192"]
+DEEP_JSON = "[" * 60_000
+
+
+@pytest.mark.parametrize("argv, field, words", [
+    (CHECK + ["--cluster", ""], "--cluster", "non-empty"),
+    (CHECK + ["--address", "127.0.0.1:²"], "--address", "port from 1 to 65535"),  # str.isdigit takes superscripts
+    (CHECK + ["--address", "127.0.0.1:0"], "--address", "port from 1 to 65535"),
+    (CHECK + ["--address", "a" * 64 + ":6379"], "--address", "labels of 1 to 63"),  # idna's UnicodeError
+    (CHECK + ["--address", "héllo..:6379"], "--address", "ASCII"),
+    (CHECK + ["--address", ""], "--address", "host:port"),
+    (["prefetch", "--config", str(GOOD_CONFIG), "--address", "a..b:1"], "--address", "DNS name"),
+    (["render", "--config", str(GOOD_CONFIG), "--output", ""], "--output", "non-empty"),
+    (["render", "--config", str(GOOD_CONFIG), "--cluster-name", " "], "--cluster-name", "non-empty"),
+    (["memory", "--gpu", "H200", "--model", "m" * 5000], "--model", "config.json"),  # ENAMETOOLONG
+    (MEMORY + ["--speculative-config", DEEP_JSON], "--speculative-config", "nested less deeply"),
+    (MEMORY + ["--speculative-config", '{"method": "dspark", "model": false}'], "--speculative-config.model",
+     "non-empty string"),
+    (MEMORY + ["--speculative-config", '{"method": "dspark", "model": ""}'], "--speculative-config.model",
+     "non-empty string"),
+    (MEMORY + ["--speculative-config", '{"method": "dspark", "model": "no-such-draft"}'],
+     "--speculative-config.model", "config.json"),
+    (MEMORY + ["--speculative-config", '{"method": "dspark", "num_speculative_tokens": true}'],
+     "--speculative-config.num_speculative_tokens", "integer"),
+    (MEMORY + ["--speculative-config", '{"method": "dspark", "draft_tensor_parallel_size": true}'],
+     "--speculative-config.draft_tensor_parallel_size", "target's TP"),
+    (["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", "--engine-kwargs", DEEP_JSON], "--engine-kwargs",
+     "nested less deeply"),
+    (["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", "--work-dir", "/proc/1"], "--work-dir", "written"),
+    (["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", "--model", "kimi-k3"], "--model", "only without --config"),
+    (MEMORY + ["--compute-capability", "99.9"], "--compute-capability", "7.0 to 12.9"),
+    (["memory", "--gpu", "H200", "--compute-capability", "10.0", "--tp", "8", "--pp", "2", "--max-model-len", "8192"],
+     "--compute-capability", "the H200 is 9.0"),
+], ids=["cluster-empty", "address-superscript-port", "address-port-zero", "address-label-too-long",
+        "address-not-ascii", "address-empty", "prefetch-address-empty-label", "render-output-empty",
+        "render-cluster-name-blank", "memory-model-name-too-long", "speculative-config-too-deep",
+        "draft-model-false", "draft-model-empty", "draft-model-absent", "speculative-tokens-true", "draft-tp-true",
+        "engine-kwargs-too-deep", "work-dir-unwritable", "rehearse-model-with-config", "capability-absurd",
+        "capability-not-the-gpus"])
+def test_flags_that_used_to_fail_late_or_be_misread(argv, field, words, capsys):
+    code, out, err = run_cli(argv, capsys)
+    assert_clear_bad_input(code, out, err, field, paths=[str(GOOD_CONFIG)])
+    assert words in err
+
+
+@pytest.mark.parametrize("make", [
+    lambda tmp: (tmp / "dangling.png").symlink_to(tmp / "no-such-folder" / "x.png") or tmp / "dangling.png",
+    lambda tmp: tmp / ("p" * 300 + ".png"),
+], ids=["dangling-link", "name-too-long"])
+def test_plot_that_cannot_be_written_is_refused_before_the_check(make, tmp_path, capsys):
+    plot = make(tmp_path)
+    code, out, err = run_cli(CHECK + ["--cluster", str(GOOD_CLUSTERS["launcher"]), "--plot", str(plot)], capsys)
+    assert_clear_bad_input(code, out, err, "--plot", paths=[str(GOOD_CONFIG), str(GOOD_CLUSTERS["launcher"])])
+    assert "verdict" not in out  # refused before the check ran
+    assert not (tmp_path / "no-such-folder").exists()
+
+
+def test_an_unreadable_regular_file_is_bad_input(capsys):
+    """/proc/self/mem is a "regular file" whose reads fail."""
+    code, out, err = run_cli(["check", "--config", "/proc/self/mem", "--cluster", str(GOOD_CLUSTERS["simple"])],
+                             capsys)
+    assert_clear_bad_input(code, out, err, "config", paths=["/proc/self/mem", str(GOOD_CLUSTERS["simple"])])
+    assert "cannot be read" in err
+
+
+# --- secrets: known by their shape too, never echoed ---------------------------------------------------------------
+
+TOKEN = "hf_" + "Q7w8E9r0" * 4
+
+
+@pytest.mark.parametrize("argv", [
+    CHECK + ["--address", f"user:{TOKEN}@head:6379"],
+    CHECK + ["--app", TOKEN, "--cluster", str(GOOD_CLUSTERS["simple"])],
+    ["memory", "--gpu", "H200", "--model", TOKEN],
+    MEMORY + ["--kv-cache-dtype", TOKEN],
+    ["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", "--env", f"MY_THING={TOKEN}"],
+    ["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", "--engine-kwargs", f'{{"tokenizer": "{TOKEN}"}}'],
+], ids=["address-userinfo", "app-name", "memory-model", "argparse-choice", "rehearse-env", "rehearse-engine-kwargs"])
+def test_a_token_shaped_value_is_never_echoed(argv, capsys):
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2, err
+    assert TOKEN not in out + err and TOKEN[:12] not in out + err
+    assert "<redacted>" in err
+
+
+def test_a_file_that_is_no_cluster_file_is_not_echoed(tmp_path, capsys):
+    """A password file given by mistake: its lines are keys of one mapping, and none is printed."""
+    shadow = tmp_path / "shadow"
+    shadow.write_text("".join(f"user{i}:$6$salt$hash{i}value:19000:0:99999:7:::\n" for i in range(5)))
+    code, out, err = run_cli(CHECK + ["--cluster", str(shadow)], capsys)
+    assert_clear_bad_input(code, out, err, "(top level)", paths=[str(GOOD_CONFIG), str(shadow)])
+    assert "$6$" not in err and "hash0value" not in err
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
+    (["--tp", "3"], "--tp"),
+    (["--max-model-len", "99999999"], "--max-model-len"),
+    (["--engine-kwargs", '{"tensor_parallel_size": 3}'], "--engine-kwargs.tensor_parallel_size"),
+    (["--speculative-config", '{"method": "medusa", "model": "x", "num_speculative_tokens": 1}'],
+     "--speculative-config.method"),
+], ids=["kv-dtype", "tp", "max-model-len", "engine-kwargs", "speculative-config"])
+def test_rehearse_blames_the_flag_not_the_config_file(extra, flag, capsys):
+    code, out, err = run_cli(["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", *extra], capsys)
+    assert_clear_bad_input(code, out, err, flag, paths=[])
+    assert err.startswith(f"error: {flag}: got ")  # not "<config file>: args.<field>"

@@ -339,3 +339,15 @@ def test_kuberay_cluster_runs_with_token_auth_and_a_network_policy():
     assert operator["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
     assert operator["ports"] == [{"port": 8265, "protocol": "TCP"}]  # the dashboard, nothing else of Ray
     assert clients["ports"] == [{"port": 8000, "protocol": "TCP"}]
+
+
+@pytest.mark.parametrize("file_name, name", [
+    ("config.yaml", "kimi-k3"),
+    ("config-b200.yaml", "kimi-k3-b200"),
+    ("My_Config.yaml", "kimi-k3-my-config"),  # was refused as a cluster name the user never wrote
+    ("x" * 80 + ".yaml", "kimi-k3-" + "x" * 42),
+])
+def test_the_default_cluster_name_is_a_legal_one(file_name, name):
+    from kimi_k3_serve.commands.render import default_cluster_name
+
+    assert default_cluster_name(Path(file_name)) == name

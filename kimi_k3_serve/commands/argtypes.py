@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 # The bounds on counts, shared with the deploy config's schema: far above any real deployment.
 from kimi_k3_serve.planning.layout import MAX_BATCHED_TOKENS, MAX_DP, MAX_NUM_SEQS, MAX_PP, MAX_TP
@@ -61,4 +62,49 @@ def png_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"got {text!r}; expected a .png file in an existing folder ({folder} is not one)")
     if not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"got {text!r}; expected a .png file in a folder we may write ({folder} is not)")
+    if os.path.islink(text) and not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a .png file we can write, not a dangling "
+                                         "symbolic link")
+    existed = os.path.lexists(text)
+    try:  # open it now: a name too long, a dangling link or a folder like /proc fails here, not after the check
+        with open(text, "ab"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a .png file we can write ({exc.strerror})") from None
+    if not existed:
+        os.unlink(text)
+    return text
+
+
+ADDRESS_ALLOWED = "expected 'auto', host:port (the GCS, default port 6379) or ray://host:port"
+HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def ray_address(text: str) -> str:
+    """A Ray cluster's address, checked before anything connects: 'auto', or ``[ray://]host:port`` with an ASCII host
+    name or IP address (an internationalised name goes in its xn-- form) and a port from 1 to 65535."""
+    import ipaddress
+
+    if text == "auto":
+        return text
+    host, sep, port = text.removeprefix("ray://").rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"got {text!r}; {ADDRESS_ALLOWED}, the port from 1 to 65535")
+    try:
+        ipaddress.ip_address(host)
+        return text
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    if len(host) > 253 or not all(HOST_LABEL.fullmatch(label) for label in labels):
+        raise argparse.ArgumentTypeError(f"got {text!r}; {ADDRESS_ALLOWED}, the host an IP address or a DNS name "
+                                         "(ASCII letters, digits and -, labels of 1 to 63 characters)")
+    return text
+
+
+def nonempty(text: str) -> str:
+    """A name or path that must not be empty: an empty one would silently mean "not given"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a non-empty value")
     return text

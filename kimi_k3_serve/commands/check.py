@@ -20,7 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from kimi_k3_serve.commands.argtypes import png_path
+from kimi_k3_serve.commands.argtypes import nonempty, png_path, ray_address
 from kimi_k3_serve.errors import ConfigError, DoesNotFitError
 
 if TYPE_CHECKING:
@@ -49,9 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="Serve config file (deploy/*.yaml) using kimi_k3_serve.app:build_app")
     parser.add_argument("--app", help="the application's name when the file has several using this builder")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--address", help="a running Ray cluster: 'auto', host:port or ray://host:10001 (live check)")
-    where.add_argument("--cluster", help="cluster file: Ray cluster launcher YAML, KubeRay RayCluster/RayService, or "
-                                         "{nodes: [{count, gpu, gpus, free_bytes?, max_count?}]} (declared check)")
+    where.add_argument("--address", type=ray_address,
+                       help="a running Ray cluster: 'auto', host:port or ray://host:10001 (live check)")
+    where.add_argument("--cluster", type=nonempty,
+                       help="cluster file: Ray cluster launcher YAML, KubeRay RayCluster/RayService, or "
+                            "{nodes: [{count, gpu, gpus, free_bytes?, max_count?}]} (declared check)")
     parser.add_argument("--json", action="store_true", help="print the verdict and per-GPU numbers as JSON")
     parser.add_argument("--plot", metavar="FILE.png", type=png_path, help="draw the per-GPU memory as stacked bars")
     parser.add_argument("--checkpoint-index", choices=("auto", "read"), default="auto",
@@ -100,16 +102,17 @@ def _reachable(address: str) -> None:
     GCS for minutes before it gives up."""
     import socket
 
+    try:
+        ray_address(address)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError("--address", address, str(exc).partition("; ")[2]) from None
     if address == "auto":
         return
-    target = address.removeprefix("ray://")
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ConfigError("--address", address, "'auto', host:port (the GCS, default port 6379) or ray://host:port")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:
         raise ConfigError("--address", address, f"a reachable Ray cluster (connecting failed: {exc})") from None
 
 
@@ -252,7 +255,10 @@ def _emit(args: argparse.Namespace, *, fits: bool, lines: list[str], report: Any
         if report is None:
             lines.append(f"no per-GPU numbers to plot ({args.plot} not written)")
         else:
-            plotted = plot(report, args.plot)
+            try:
+                plotted = plot(report, args.plot)
+            except OSError as exc:  # checked writable before the check; a full disk still lands here, verdict kept
+                lines.append(f"plot not written: {args.plot} ({exc.strerror or exc})")
     if args.json:
         document = {"fits": fits, "config": args.config, "cluster": source, "checks": lines, "warnings": list(warnings),
                     "seconds": round(seconds, 4), "report": report.to_json() if report is not None else None,

@@ -18,6 +18,7 @@ from typing import Any
 from kimi_k3_serve.commands.argtypes import MAX_BATCHED_TOKENS, MAX_DP, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction, int_from, positive_int
 from kimi_k3_serve.commands.lengths import given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.inputs import load_json
 from kimi_k3_serve.planning.hardware import gpu_names, lookup_gpu
 from kimi_k3_serve.planning.layout import KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, EngineSettings, Layout, RankDevice, SpeculativeSettings
 from kimi_k3_serve.units import GiB, fmt_gib
@@ -36,11 +37,14 @@ def _partition(text: str) -> tuple[int, ...]:
 
 
 def _capability(text: str) -> tuple[int, int]:
+    """MAJOR.MINOR of a GPU vLLM 0.32 runs on: SM 7.0 (Volta) to the 12.x of today's newest."""
     try:
-        major, minor = text.split(".")
-        return int(major), int(minor)
+        major, minor = (int(part) for part in text.split("."))
     except ValueError:
         raise argparse.ArgumentTypeError(f"got {text!r}; expected MAJOR.MINOR such as 9.0") from None
+    if not (7 <= major <= 12 and 0 <= minor <= 9):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected MAJOR.MINOR from 7.0 to 12.9, such as 9.0")
+    return major, minor
 
 
 EXAMPLES = """\
@@ -91,29 +95,33 @@ def _speculative(text: str | None, tp: int) -> SpeculativeSettings | None:
         return None
     from kimi_k3_serve.models import load_model
 
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError("--speculative-config", text, f"expected a JSON object ({exc.msg})") from None
+    raw = load_json(text, "--speculative-config", text)
     if not isinstance(raw, dict):
         raise ConfigError("--speculative-config", text, "expected a JSON object")
     known = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"}
     method = raw.get("method")
     if method not in ("eagle3", "dspark"):
         raise ConfigError("--speculative-config.method", method, "expected eagle3 or dspark")
-    model = raw.get("model") or ("kimi-k3-dspark" if method == "dspark" else None)
-    if model is None:
-        raise ConfigError("--speculative-config.model", None, "expected the draft's config.json path or checkpoint folder")
-    draft = load_model(model)
+    model = raw.get("model", "kimi-k3-dspark" if method == "dspark" else None)
+    if not isinstance(model, str) or not model.strip():
+        raise ConfigError("--speculative-config.model", model, "expected the draft's config.json path or checkpoint "
+                                                               "folder (a non-empty string)")
+    try:
+        draft = load_model(model)
+    except ConfigError as exc:  # load_model names its argument "model": here it is the draft's
+        raise ConfigError("--speculative-config.model", exc.value, exc.allowed) from None
     n = raw.get("num_speculative_tokens")
     if n is None and draft.draft is not None:
         n = draft.draft.num_speculative_tokens_default
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError("--speculative-config.num_speculative_tokens", n, "expected an integer >= 1")
     extra = sorted(set(raw) - known - {"attention_backend", "draft_sample_method", "rejection_sample_method"})
     if extra:
         raise ConfigError(f"--speculative-config.{extra[0]}", raw[extra[0]], f"known keys: {', '.join(sorted(known))}")
     draft_tp = raw.get("draft_tensor_parallel_size")
+    if draft_tp is not None and (isinstance(draft_tp, bool) or not isinstance(draft_tp, int)):
+        raise ConfigError("--speculative-config.draft_tensor_parallel_size", draft_tp,
+                          f"expected 1 or the target's TP ({tp})")
     return SpeculativeSettings(method, n, draft=draft, draft_tp=draft_tp)
 
 
@@ -148,7 +156,10 @@ def _run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     if args.gpu is not None:
         spec = lookup_gpu(args.gpu, field="--gpu")
-        device = RankDevice(spec.total_bytes, args.compute_capability or spec.compute_capability, name=spec.name)
+        if args.compute_capability not in (None, spec.compute_capability):
+            asked, own = (".".join(map(str, cc)) for cc in (args.compute_capability, spec.compute_capability))
+            raise ConfigError("--compute-capability", asked, f"only with --gpu-bytes: the {spec.name} is {own}")
+        device = RankDevice(spec.total_bytes, spec.compute_capability, name=spec.name)
         gpu_label = spec.name
     else:
         device = RankDevice(args.gpu_bytes, args.compute_capability or (9, 0), name="")

@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from kimi_k3_serve.commands.argtypes import MAX_BATCHED_TOKENS, MAX_DP, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction, int_from, positive_int
+from kimi_k3_serve.commands.argtypes import (MAX_BATCHED_TOKENS, MAX_DP, MAX_LAYERS, MAX_NUM_SEQS, MAX_TP, fraction,
+                                             int_from, nonempty, positive_int)
 from kimi_k3_serve.commands.lengths import LengthChoice, given, longest_that_fits, model_config_length
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
@@ -27,6 +28,7 @@ from kimi_k3_serve.units import fmt_gib
 from kimi_k3_serve.planning.planner import OBJECTIVES
 
 MAX_WHAT_IF_NODES = 256
+DEFAULT_SPECULATIVE_TOKENS = 3
 
 
 EXAMPLES = """\
@@ -47,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--gpu", help="GPU name from the catalogue, e.g. H200, B200, GB300 (with --nodes)")
     where.add_argument("--nodes", type=int_from(1, MAX_DECLARED_NODES), help="number of identical nodes (with --gpu)")
     where.add_argument("--gpus-per-node", type=int_from(1, MAX_DECLARED_GPUS_PER_NODE), help="GPUs per node (default: the catalogue's, e.g. 8; 4 on NVL72 trays)")
-    where.add_argument("--cluster", help="cluster file: Ray cluster launcher YAML, KubeRay RayCluster/RayService, "
-                                         "or {nodes: [{count, gpu, gpus, free_bytes?}]}")
+    where.add_argument("--cluster", type=nonempty,
+                       help="cluster file: Ray cluster launcher YAML, KubeRay RayCluster/RayService, "
+                            "or {nodes: [{count, gpu, gpus, free_bytes?}]}")
     where.add_argument("--as-is", action="store_true",
                        help="plan on the nodes the file starts with, not grown to each node type's max count")
     target = parser.add_argument_group("serving target")
@@ -66,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=SPECULATIVE_METHODS)
     spec.add_argument("--draft", help="the draft's config.json or folder")
-    spec.add_argument("--num-speculative-tokens", type=int_from(1, MAX_SPECULATIVE_TOKENS), default=3)
+    spec.add_argument("--num-speculative-tokens", type=int_from(1, MAX_SPECULATIVE_TOKENS),
+                      help=f"tokens the draft proposes per step (default {DEFAULT_SPECULATIVE_TOKENS})")
     spec.add_argument("--draft-tp", type=int_from(1, MAX_TP), help="draft tensor parallel size: 1 or the target's TP (default)")
     pins = parser.add_argument_group("pinned choices (left to the search when absent)")
     pins.add_argument("--tp", type=int_from(1, MAX_TP))
@@ -114,8 +118,17 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
         if not (args.speculative_method and args.draft):
             raise ConfigError("--speculative-method/--draft", [args.speculative_method, args.draft],
                               "both: the draft family and its config.json or folder")
-        speculative = SpeculativeSettings(args.speculative_method, args.num_speculative_tokens,
-                                          draft=load_model(args.draft), draft_tp=args.draft_tp)
+        try:
+            draft = load_model(args.draft)
+        except ConfigError as exc:  # load_model names its argument "model": here it is the draft
+            raise ConfigError("--draft", exc.value, exc.allowed) from None
+        speculative = SpeculativeSettings(args.speculative_method,
+                                          args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
+                                          draft=draft, draft_tp=args.draft_tp)
+    else:
+        for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens), ("--draft-tp", args.draft_tp)):
+            if value is not None:  # silently planning without a draft would answer another question
+                raise ConfigError(flag, value, "only with --speculative-method and --draft")
     return EngineSettings(
         max_model_len=args.max_model_len or model_config_length(load_model(args.model)),
         max_num_seqs=args.max_num_seqs,
@@ -131,7 +144,8 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
 
 
 _FLAG_OF_PIN = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "ep": "--ep", "layer_partition": "--layer-partition",
-                "gpus_per_node": "--gpus-per-node"}
+                "gpus_per_node": "--gpus-per-node", "speculative.method": "--speculative-method",
+                "speculative.draft": "--draft"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,14 +161,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from kimi_k3_serve.models import load_model
+    from kimi_k3_serve.planning.memory import check_draft
     from kimi_k3_serve.planning.planner import NoLayoutFitsError, Pins, plan, validate_length
 
     if args.gpu is not None:
         lookup_gpu(args.gpu, field="--gpu")  # an unknown name: one line listing the catalogue
+    if args.as_is and not args.cluster:
+        raise ConfigError("--as-is", True, "only with --cluster FILE: it plans on the nodes a file starts with")
     model = load_model(args.model)
     if args.max_model_len:
         validate_length(model, args.max_model_len, field="--max-model-len")
     engine = _engine(args)
+    if engine.speculative is not None:
+        check_draft(model, engine.speculative)
     pins = Pins(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, layer_partition=_partition(args.layer_partition))
     if args.max_nodes < 1:
         raise ConfigError("--max-nodes", args.max_nodes, "an integer >= 1")

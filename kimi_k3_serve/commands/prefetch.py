@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+from kimi_k3_serve.commands.argtypes import ray_address
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.units import fmt_size
 
@@ -38,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXAMPLES
     parser.add_argument("--config", required=True, help="Serve config file (deploy/*.yaml) with args.model.download_dir")
     parser.add_argument("--app", help="the application's name when the file has several using this builder")
-    parser.add_argument("--address", default="auto", help="the running Ray cluster: 'auto', host:port or ray://host:10001")
+    parser.add_argument("--address", default="auto", type=ray_address,
+                        help="the running Ray cluster: 'auto', host:port or ray://host:10001")
     parser.add_argument("--dry-run", action="store_true", help="check every node's disk and print what it would fetch")
     parser.add_argument("--json", action="store_true", help="print the per-node plan and results as JSON")
 

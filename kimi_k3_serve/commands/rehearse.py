@@ -91,16 +91,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _json_flag(text: str | None, flag: str) -> Any:
     if text is None:
         return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(flag, text, f"expected JSON ({exc.msg})") from None
+    from kimi_k3_serve.inputs import load_json
+
+    return load_json(text, flag, text)
 
 
 def serve_args_of(ns: argparse.Namespace) -> ServeArgs:
     """The ``ServeArgs`` to rehearse: the deploy config's (or a GPU config made from the flags), flags applied."""
     from kimi_k3_serve.config.args import load_args
 
+    if ns.config and ns.model is not None:
+        raise ConfigError("--model", ns.model, "only without --config: the config's args.model.source is the model")
     if ns.config:
         from kimi_k3_serve.config.serve_config import load_serve_app
 
@@ -146,6 +147,30 @@ def serve_args_of(ns: argparse.Namespace) -> ServeArgs:
             raise ConfigError("--env", item, "NAME=VALUE, NAME a variable name (letters, digits and _, not first a digit)")
         raw.setdefault("runtime_env", {}).setdefault("env_vars", {})[name] = value
     return load_args(raw, source=ns.config or "rehearse flags")
+
+
+def _flag_of(field: str, ns: argparse.Namespace) -> str | None:
+    """The command-line flag that set ``field`` (``args.limits.kv_cache_dtype`` from ``--kv-cache-dtype``), or None
+    where the value came from the config file: an error must blame what the user typed, not the file."""
+    parts = field.split(".")
+    if len(parts) < 3 or parts[0] != "args":
+        return None
+    section, key = parts[1], parts[2].split("[")[0]
+    given = {("parallel", "tensor_parallel_size"): "tp", ("parallel", "pipeline_parallel_size"): "pp",
+             ("parallel", "data_parallel_size"): "dp", ("parallel", "enable_expert_parallel"): "enable_expert_parallel"}
+    if section == "limits":
+        given[("limits", key)] = key
+    if (section, key) in given and getattr(ns, given[(section, key)], None) is not None:
+        return "--" + given[(section, key)].replace("_", "-")
+    if section == "speculative" and ns.speculative_config is not None:
+        return f"--speculative-config.{key}"
+    if section == "engine_kwargs" and ns.engine_kwargs is not None and f'"{key}"' in ns.engine_kwargs:
+        return f"--engine-kwargs.{key}"
+    if section == "runtime_env" and len(parts) > 3 and any(e.partition("=")[0] == parts[3] for e in ns.env or ()):
+        return f"--env {parts[3]}"
+    if section == "model" and key == "source" and not ns.config:
+        return "--model"
+    return None
 
 
 def _model_config(source: str, field: str) -> tuple[dict[str, Any], Path | None]:
@@ -517,13 +542,26 @@ def _marker(text: str, name: str) -> dict[str, Any] | None:
 
 def run(ns: argparse.Namespace) -> int:
     """With ``--work-dir``, the rehearsal's files go there; without, to a temp folder that is removed unless an
-    engine ran (its log and result.json are printed as the place to look)."""
+    engine ran (its log and result.json are printed as the place to look). An error about a value a flag set
+    names that flag."""
+    try:
+        return _run_in_work_dir(ns)
+    except ConfigError as exc:
+        flag = _flag_of(exc.field, ns)
+        if flag is None:
+            raise
+        raise ConfigError(flag, exc.value, exc.allowed) from None
+
+
+def _run_in_work_dir(ns: argparse.Namespace) -> int:
     if ns.work_dir is not None:
         work = Path(ns.work_dir)
         try:
             work.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=work).close()  # a folder such as /proc/1 exists and cannot be written
         except OSError as exc:
-            raise ConfigError("--work-dir", ns.work_dir, f"expected a folder that is or can be made ({exc.strerror})") from None
+            raise ConfigError("--work-dir", ns.work_dir, f"expected a folder that is or can be made, and written "
+                                                         f"({exc.strerror})") from None
         return _run(ns, work)
     work, engine_ran = Path(tempfile.mkdtemp(prefix="kimi-k3-rehearse-")), False
     try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kimi_k3_serve.commands.argtypes import nonempty
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.inputs import read_text_file
 from kimi_k3_serve.planning.hardware import lookup_gpu
@@ -189,9 +190,12 @@ def _display_path(path: Path) -> str:
 
 
 def default_cluster_name(config_path: Path) -> str:
-    stem = config_path.stem
-    suffix = stem.removeprefix("config").strip("-_")
-    return "kimi-k3" + (f"-{suffix}" if suffix else "")
+    """``kimi-k3`` and the config file's name past ``config``, made a legal cluster name (lowercase letters, digits
+    and '-', at most 50 characters): My_Config.yaml gives kimi-k3-my-config."""
+    import re
+
+    suffix = re.sub(r"[^a-z0-9]+", "-", config_path.stem.lower().removeprefix("config")).strip("-")
+    return ("kimi-k3" + (f"-{suffix}" if suffix else ""))[:50].rstrip("-")
 
 
 def build_request(
@@ -263,10 +267,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXAMPLES
     parser.add_argument("--config", required=True, help="the Serve deploy config (deploy/*.yaml)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="which cluster file to write")
-    parser.add_argument("--output", help="write here instead of standard output")
+    parser.add_argument("--output", type=nonempty, help="write here instead of standard output")
     parser.add_argument("--app", help="the application in the config, when it holds more than one of ours")
     parser.add_argument("--instance-type", help="node type to use instead of the default for the GPU and platform")
-    parser.add_argument("--cluster-name", help="cluster / RayService name (default: from the config file name)")
+    parser.add_argument("--cluster-name", type=nonempty,
+                        help="cluster / RayService name (default: from the config file name)")
     parser.add_argument(
         "--idle-timeout-s",
         type=int,

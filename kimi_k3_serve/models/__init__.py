@@ -39,14 +39,24 @@ def read_config(source: str | Path) -> tuple[dict[str, Any], str, str]:
     if text in SHIPPED:
         raw = resources.files("kimi_k3_serve.models").joinpath("data", SHIPPED[text]).read_text()
         return _parse(raw, text), text, f"package data {SHIPPED[text]}"
-    path = Path(text).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    path = _config_path(text)
+    if path is None:
         raise ConfigError("model", text, f"expected {' or '.join(SHIPPED)}, a config.json path, or a checkpoint folder with config.json")
     name = path.parent.name if path.name == "config.json" else path.stem
     text = read_text_file(path, "model", what="a model config.json")
     return _parse(text, str(path)), name, str(path)
+
+
+def _config_path(text: str) -> Path | None:
+    """The config.json a path names (itself, or the one in the folder it names), or None where there is none; a name
+    the OS refuses to look up (too long, an unreadable folder on the way) is none either."""
+    try:
+        path = Path(text).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        return path if path.is_file() else None
+    except (OSError, RuntimeError):  # RuntimeError: expanduser of ~user with no such user
+        return None
 
 
 def _parse(raw: str, where: str) -> dict[str, Any]:
@@ -103,9 +113,11 @@ def load_model(source: str | Path) -> ModelInventory:
     text = str(source)
     stamp = 0.0
     if text not in SHIPPED:
-        path = Path(text).expanduser()
-        target = path / "config.json" if path.is_dir() else path
-        stamp = target.stat().st_mtime if target.is_file() else 0.0
+        target = _config_path(text)
+        try:
+            stamp = target.stat().st_mtime if target is not None else 0.0
+        except OSError:  # gone since: read_config says so
+            stamp = 0.0
     key = (text, stamp)
     cached = _CACHE.get(key)
     if cached is None:

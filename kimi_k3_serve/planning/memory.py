@@ -1034,6 +1034,21 @@ def _validate_kimi_kv_dtype(engine: EngineSettings, cc: tuple[int, int]) -> None
                           "prefill query (it asserts at load; seen on an H200 on 2026-11-30)")
 
 
+def check_draft(model: ModelInventory, spec: SpeculativeSettings) -> None:
+    """What vLLM refuses about a draft whatever the layout: checked once, before a search tries every layout."""
+    d = spec.draft
+    if d is None:
+        return
+    if d.draft is None:
+        raise ConfigError("speculative.draft", d.architecture, "expected a draft architecture (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM or K3DSparkModel)")
+    if d.draft.method != spec.method:
+        raise ConfigError("speculative.method", spec.method, f"the draft {d.name} is a {d.draft.method} draft")
+    if spec.method == "dspark" and model.family != "kimi_k3":
+        raise ConfigError("speculative.method", "dspark", "the MLA DSpark draft (K3DSparkModel) serves Kimi-K3 targets only")
+    if d.vocab_size != model.vocab_size and d.draft.shares_target_lm_head:
+        raise ConfigError("speculative.draft", d.vocab_size, f"must share the target vocab size {model.vocab_size}")
+
+
 def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings, compute_capability: tuple[int, int]) -> None:
     for name, n in model.tp_divisors:
         if n % layout.tp:
@@ -1052,16 +1067,9 @@ def _validate(model: ModelInventory, layout: Layout, engine: EngineSettings, com
     if spec is not None:
         if spec.draft_tp not in (None, 1, layout.tp):
             raise ConfigError("speculative.draft_tp", spec.draft_tp, f"vLLM allows 1 or the target's TP ({layout.tp})")
+        check_draft(model, spec)
         d = spec.draft
         if d is not None:
-            if d.draft is None:
-                raise ConfigError("speculative.draft", d.architecture, "expected a draft architecture (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM or K3DSparkModel)")
-            if d.draft.method != spec.method:
-                raise ConfigError("speculative.method", spec.method, f"the draft {d.name} is a {d.draft.method} draft")
-            if spec.method == "dspark" and model.family != "kimi_k3":
-                raise ConfigError("speculative.method", "dspark", "the MLA DSpark draft (K3DSparkModel) serves Kimi-K3 targets only")
-            if d.vocab_size != model.vocab_size and d.draft.shares_target_lm_head:
-                raise ConfigError("speculative.draft", d.vocab_size, f"must share the target vocab size {model.vocab_size}")
             for name, n in d.tp_divisors:
                 if n % (spec.draft_tp or layout.tp):
                     raise ConfigError("speculative.draft_tp", spec.draft_tp or layout.tp, f"must divide the draft's {name} = {n}")

@@ -387,6 +387,9 @@ def plan(
                 return _best_partition(model, engine, view, tp, pp, ep, dp, pins, objective, candidates)
 
             search_dp(sizes, at_dp, lambda c: _reaches_goal(c, objective))
+    if not candidates and pins.tp and pins.tp > largest_domain:
+        raise ConfigError("tp", pins.tp, f"at most {largest_domain}, the largest NVLink domain of the cluster: tensor "
+                                         "parallelism stays inside one (pipeline stages span nodes)")
     if not candidates:
         raise ConfigError("cluster", cluster.source, f"room for at least one rank of {model.name}")
     best = max(candidates, key=lambda c: _score(c, objective))
