@@ -126,20 +126,22 @@ def test_gauge_is_exported_with_the_model_id(planned):
 
             cache = CacheConfig(block_size=16)
             cache.num_gpu_blocks = blocks
+            # A model id of its own: the gauge set by an earlier test in this process (the driver) is exported
+            # too, with model_id tiny-llama, and the first series read back would be that one.
             c = report_kv_cache_prediction(report, SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache)),
-                                           "tiny-llama")
+                                           "tiny-llama-gauge")
             time.sleep(3)  # let the worker's metrics reach the agent
             return c.error
 
         error = ray.get(replica_start.remote(planned, blocks), timeout=120)
-        pattern = rf'^ray_{METRIC_NAME}\{{[^}}]*model_id="tiny-llama"[^}}]*\}} ([0-9.eE+-]+)$'
+        pattern = rf'^ray_{METRIC_NAME}\{{[^}}]*model_id="tiny-llama-gauge"[^}}]*\}} ([0-9.eE+-]+)$'
         deadline, value = time.monotonic() + 60, None
         while value is None and time.monotonic() < deadline:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
             match = re.search(pattern, text, flags=re.MULTILINE)
             value = float(match.group(1)) if match else None
             time.sleep(1)
-        print(f"\n[{METRIC_NAME}{{model_id=tiny-llama}} = {value}]")
+        print(f"\n[{METRIC_NAME}{{model_id=tiny-llama-gauge}} = {value}]")
         assert value == pytest.approx(error, rel=1e-6) and error == pytest.approx(planned.num_blocks / blocks - 1)
     finally:
         ray.shutdown()
