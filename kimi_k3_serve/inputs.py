@@ -8,8 +8,10 @@ document nested a few thousand levels deep ends in a ``RecursionError`` from the
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import stat
 from typing import Any
 
@@ -164,3 +166,20 @@ def load_json(text: str, field: str, source: str) -> Any:
         raise ConfigError(field, source, "expected JSON nested less deeply (the decoder ran out of stack)") from None
     except ValueError as exc:  # an integer of over 4300 digits
         raise ConfigError(field, source, f"expected valid JSON ({str(exc).splitlines()[0][:100]})") from None
+
+
+HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def is_host(text: str) -> bool:
+    """Whether ``text`` is an IP address or an ASCII DNS name (labels of 1 to 63 letters, digits and -; at most 253
+    characters): what a socket can be bound to or connected to without an encoding error."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", text):  # 999.1.1.1 is no address, and no name either
+        return False
+    labels = text.removesuffix(".").split(".")
+    return 0 < len(text) <= 253 and all(HOST_LABEL.fullmatch(label) for label in labels)

@@ -13,18 +13,20 @@ import re
 REDACTED = "<redacted>"
 
 TOKEN_SHAPES = re.compile(
-    "|".join((
+    r"(?<![A-Za-z0-9_-])(?:"  # a prefix starts a word: "task-scheduling-..." holds no "sk-" key
+    + "|".join((
         r"hf_[A-Za-z0-9]{20,}",  # Hugging Face
-        r"(?:sk|rk|pk)-[A-Za-z0-9_-]{20,}",  # OpenAI-style API keys
+        r"(?:sk|rk|pk)-(?=[A-Za-z_-]*[0-9])[A-Za-z0-9_-]{20,}",  # OpenAI-style API keys: random, so with a digit
         r"gh[pousr]_[A-Za-z0-9]{30,}",  # GitHub tokens
         r"github_pat_[A-Za-z0-9_]{30,}",
         r"glpat-[A-Za-z0-9_-]{20,}",  # GitLab
         r"xox[abprs]-[A-Za-z0-9-]{10,}",  # Slack
-        r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",  # AWS access key IDs
+        r"(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])",  # AWS access key IDs
         r"AIza[0-9A-Za-z_-]{35}",  # Google API keys
         r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",  # JWTs
-        r"(?i:bearer)\s+[A-Za-z0-9._~+/=-]{8,}",
+        r"(?i:bearer)\s+(?=[A-Za-z._~+/=-]*[0-9])[A-Za-z0-9._~+/=-]{16,}",  # "Bearer authentication" is prose
     ))
+    + ")"
 )
 URL_PASSWORD = re.compile(r"(?<=://)([^/@\s:]*):[^/@\s]+@")
 """``scheme://user:password@host``: the user is kept, the password is not."""

@@ -223,6 +223,34 @@ CONFIG_CASES = [
     Case("token-in-model-source", "args.model.source", _set("model.source", "hf_" + "a1B2c3" * 6)),
     Case("token-in-env-value", "args.runtime_env.env_vars.MY_THING",
          _set("runtime_env.env_vars.MY_THING", "ghp_" + "Zx9" * 12)),
+    Case("token-in-a-comment", "line 9",
+         raw_config=GOOD_CONFIG.read_text().replace("proxy_location: EveryNode", "proxy_location: EveryNode  # hf_"
+                                                    + "a1B2c3" * 6)),
+    # the engine kwargs the planner reads: bool("false") was true, int(1.9) was 1, and a text section a traceback
+    Case("language-model-only-text", "args.engine_kwargs.language_model_only",
+         _set("engine_kwargs.language_model_only", "false")),
+    Case("attention-config-text", "args.engine_kwargs.attention_config", _set("engine_kwargs.attention_config", "x")),
+    Case("prefill-quantization-text", "args.engine_kwargs.attention_config.use_prefill_query_quantization",
+         _set("engine_kwargs.attention_config", {"use_prefill_query_quantization": "false"})),
+    Case("eplb-config-text", "args.engine_kwargs.eplb_config", _set("engine_kwargs.eplb_config", "x")),
+    Case("redundant-experts-decimal", "args.engine_kwargs.eplb_config.num_redundant_experts",
+         _set("engine_kwargs.eplb_config", {"num_redundant_experts": 1.9})),
+    Case("eplb-window-null", "args.engine_kwargs.eplb_config.window_size",
+         _set("engine_kwargs.eplb_config", {"window_size": None})),
+    Case("moe-backend-true", "args.engine_kwargs.moe_backend", _set("engine_kwargs.moe_backend", True)),
+    Case("mamba-dtype-unknown", "args.engine_kwargs.mamba_ssm_cache_dtype",
+         _set("engine_kwargs.mamba_ssm_cache_dtype", "float8")),
+    Case("env-var-name-with-equals", "args.runtime_env.env_vars", _set("runtime_env.env_vars.A=B", "x")),
+    Case("upscale-delay-infinite", "args.autoscaling.upscale_delay_s",
+         _set("autoscaling.upscale_delay_s", float("inf"))),
+    Case("health-period-nan", "args.deployment.health_check_period_s",
+         _set("deployment.health_check_period_s", float("nan"))),
+    Case("route-prefix-without-slash", "config.applications[0].route_prefix",
+         lambda d: d["applications"][0].__setitem__("route_prefix", "v1")),
+    Case("http-host-with-port", "config.http_options.host",
+         lambda d: d["http_options"].__setitem__("host", "0.0.0.0:8000")),
+    Case("http-host-no-address", "config.http_options.host",
+         lambda d: d["http_options"].__setitem__("host", "999.1.1.1")),
     Case("duplicate-key", "max_num_seqs",
          raw_config=GOOD_CONFIG.read_text().replace("      limits:\n", "      limits:\n        max_num_seqs: 4\n")),
     Case("bad-yaml", "config", raw_config="applications:\n  - name: [unclosed\n"),
@@ -274,6 +302,14 @@ CLUSTER_CASES = [
            cluster=lambda d, size=size: d["available_node_types"]["gpu_8xh200"]["node_config"]["BlockDeviceMappings"][0]
            ["Ebs"].__setitem__("VolumeSize", size))
       for name, size in (("negative", -1), ("zero", 0), ("true", True), ("text", "abc"), ("nan", float("nan")))],
+    Case("cluster-token-in-a-name", "line 2",
+         raw_cluster="nodes:\n  - {name: hf_" + "a1B2c3" * 6 + ", count: 2, gpu: H200}\n"),
+    Case("launcher-max-workers-below-min", "max_workers", cluster_format="launcher",
+         cluster=lambda d: d.__setitem__("max_workers", 1)),
+    Case("kuberay-group-null", "workerGroupSpecs[0]", cluster_format="kuberay",
+         cluster=lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"].__setitem__(0, None)),
+    Case("kuberay-replicas-above-max", "workerGroupSpecs[0].replicas", cluster_format="kuberay",
+         cluster=_kuberay_group(replicas=5, maxReplicas=4)),
     Case("cluster-duplicate-key", "count", raw_cluster="nodes:\n  - {count: 2, gpu: H200, count: 1}\n"),
 ]
 
@@ -785,3 +821,28 @@ def test_rehearse_blames_the_flag_not_the_config_file(extra, flag, capsys):
     code, out, err = run_cli(["rehearse", "--config", str(GOOD_CONFIG), "--dry-run", *extra], capsys)
     assert_clear_bad_input(code, out, err, flag, paths=[])
     assert err.startswith(f"error: {flag}: got ")  # not "<config file>: args.<field>"
+
+
+@pytest.mark.parametrize("text, masked", [
+    ("hf_" + "Q7w8E9r0" * 4, "<redacted>"),
+    ("sk-proj-abc123def456ghi789jkl", "<redacted>"),
+    ("AKIAIOSFODNN7EXAMPLE", "<redacted>"),
+    ("Authorization: Bearer abcd1234efgh5678ijkl", "Authorization: <redacted>"),
+    ("https://user:pa55word@host/x", "https://user:<redacted>@host/x"),
+    # prose and addresses that merely look alike are left alone: a comment in a shipped file must not be refused
+    ("ask-for-the-cluster-autoscaler-to-scale", "ask-for-the-cluster-autoscaler-to-scale"),
+    ("clients send Bearer authentication headers", "clients send Bearer authentication headers"),
+    ("ray://head:10001", "ray://head:10001"),
+    ("s3://bucket/kimi-k3/model.safetensors", "s3://bucket/kimi-k3/model.safetensors"),
+])
+def test_token_shapes(text, masked):
+    from kimi_k3_serve.tokens import mask_tokens
+
+    assert mask_tokens(text) == masked
+
+
+def test_no_shipped_file_holds_a_token_shape():
+    from kimi_k3_serve.tokens import looks_like_token
+
+    shipped = [*REPO_ROOT.glob("deploy/*.yaml"), *REPO_ROOT.glob("cluster_configs/*.yaml")]
+    assert shipped and not [path.name for path in shipped if looks_like_token(path.read_text())]

@@ -31,7 +31,10 @@ _UNBOUNDED = 2**31 - 1  # "no limit" for the launcher's global max_workers
 def load_cluster_file(path: str) -> ClusterInventory:
     """Read a cluster file; the format is recognised from its keys. Every problem is a ConfigError naming the
     field (``available_node_types.gpu_workers.resources.GPU``)."""
+    from kimi_k3_serve.config.secrets import refuse_token_text
+
     text = read_text_file(path, "cluster", what="a cluster file (YAML or JSON)")
+    refuse_token_text(text, "cluster", source=path)  # node and type names are printed, and the file is copied
     documents = load_yaml(text, "cluster", path, all_documents=True)
     return parse_cluster_document(ray_document(documents, source=path), source=path)
 
@@ -260,6 +263,10 @@ def _from_launcher(document: dict, source: str) -> ClusterInventory:
                                  field_name=f"{where}.resources")
         if not is_head and max_count > min_count:
             autoscaling.append(NodeTypeCapacity(name, gpu, gpus, min_count, max_count, numeric, labels))
+    workers = sum(1 for node in nodes if not node.is_head)
+    if workers > global_max:  # the autoscaler starts no worker beyond it: the nodes counted here would never come
+        raise ConfigError("max_workers", global_max, f"at least the node types' min_workers together ({workers})",
+                          source=source)
     return ClusterInventory(nodes=tuple(nodes), source=f"declared:{source}", autoscaling=tuple(autoscaling))
 
 
@@ -331,6 +338,9 @@ def _from_kuberay(document: dict, source: str) -> ClusterInventory:
         raise ConfigError(f"{prefix}.workerGroupSpecs", groups, "a list of worker groups", source=source)
     for i, group in enumerate(groups):
         where = f"{prefix}.workerGroupSpecs[{i}]"
+        if not isinstance(group, dict):  # _mapping reads an absent section as empty; an empty list item is a typo
+            raise ConfigError(where, group, "a worker group: a mapping with groupName, replicas and template",
+                              source=source)
         group = _mapping(group, where, source)
         name = str(group.get("groupName") or f"group-{i}")
         gpus, gpu, resources, labels = _kube_group(group, where, source)
@@ -343,6 +353,9 @@ def _from_kuberay(document: dict, source: str) -> ClusterInventory:
         if max_replicas < min_replicas:
             raise ConfigError(f"{where}.maxReplicas", max_replicas, f"at least minReplicas ({min_replicas})",
                               source=source)
+        if not min_replicas <= replicas <= max_replicas:
+            raise ConfigError(f"{where}.replicas", replicas, f"from minReplicas ({min_replicas}) to maxReplicas "
+                              f"({max_replicas})", source=source)
         if max(replicas, max_replicas) * hosts > MAX_NODES_PER_TYPE:
             raise ConfigError(f"{where}.numOfHosts", hosts,
                               f"at most {MAX_NODES_PER_TYPE} pods per group (replicas x numOfHosts)", source=source)

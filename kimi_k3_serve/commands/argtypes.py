@@ -77,13 +77,12 @@ def png_path(text: str) -> str:
 
 
 ADDRESS_ALLOWED = "expected 'auto', host:port (the GCS, default port 6379) or ray://host:port"
-HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def ray_address(text: str) -> str:
     """A Ray cluster's address, checked before anything connects: 'auto', or ``[ray://]host:port`` with an ASCII host
     name or IP address (an internationalised name goes in its xn-- form) and a port from 1 to 65535."""
-    import ipaddress
+    from kimi_k3_serve.inputs import is_host
 
     if text == "auto":
         return text
@@ -91,13 +90,7 @@ def ray_address(text: str) -> str:
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"got {text!r}; {ADDRESS_ALLOWED}, the port from 1 to 65535")
-    try:
-        ipaddress.ip_address(host)
-        return text
-    except ValueError:
-        pass
-    labels = host.removesuffix(".").split(".")
-    if len(host) > 253 or not all(HOST_LABEL.fullmatch(label) for label in labels):
+    if not is_host(host):
         raise argparse.ArgumentTypeError(f"got {text!r}; {ADDRESS_ALLOWED}, the host an IP address or a DNS name "
                                          "(ASCII letters, digits and -, labels of 1 to 63 characters)")
     return text

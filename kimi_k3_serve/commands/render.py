@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kimi_k3_serve.commands.argtypes import nonempty
+from kimi_k3_serve.tokens import mask_tokens
 from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.inputs import read_text_file
 from kimi_k3_serve.planning.hardware import lookup_gpu
@@ -293,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
             Path(args.output).write_text(text)
         except OSError as exc:
             raise ConfigError("--output", args.output, f"a writable file path ({exc.strerror})") from None
-        print(f"wrote {args.output}", file=sys.stderr)
+        print(f"wrote {mask_tokens(args.output)}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

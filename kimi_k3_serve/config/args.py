@@ -21,7 +21,7 @@ from kimi_k3_serve.errors import ConfigError
 from kimi_k3_serve.planning.hardware import lookup_gpu
 from kimi_k3_serve.planning.nvls import check_nvls_env
 from kimi_k3_serve.planning.layout import (
-    KV_CACHE_DTYPES, MAX_BATCHED_TOKENS, MAX_DP, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_PP, MAX_SPECULATIVE_TOKENS, MAX_TP, SPECULATIVE_METHODS,
+    KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES, MAX_BATCHED_TOKENS, MAX_DP, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_PP, MAX_SPECULATIVE_TOKENS, MAX_TP, SPECULATIVE_METHODS,
 )
 
 ARGS_ROOT = "args"
@@ -59,9 +59,9 @@ OWNED_ENGINE_KWARGS: dict[str, str] = {
 
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, values are immutable once validated, and types are strict (YAML's
-    ``true`` is not the count 1, nor ``0`` false)."""
+    ``true`` is not the count 1, nor ``0`` false), and no number is infinite or NaN."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ModelArgs(Section):
@@ -300,6 +300,15 @@ class RuntimeEnvArgs(Section):
 
     @field_validator("env_vars")
     @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:  # Ray sets them in each worker's environment: '', 'A=B' or 'A B' cannot be one
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ConfigError(f"args.runtime_env.env_vars.{name!r}", name, "expected a variable name: letters, "
+                                  "digits and _, not first a digit")
+        return value
+
+    @field_validator("env_vars")
+    @classmethod
     def _whole_seconds(cls, value: dict[str, str]) -> dict[str, str]:
         # Ray Serve LLM reads it with int() when it starts the engine: "abc" or "1.5" would fail there, on the GPUs.
         name = "RAYLLM_ENGINE_START_TIMEOUT_S"
@@ -307,6 +316,41 @@ class RuntimeEnvArgs(Section):
             raise ConfigError(f"args.runtime_env.env_vars.{name}", value[name],
                               "expected a whole number of seconds of at least 1, as text (e.g. \"6540\")")
         return value
+
+
+def _is_count(low: int, high: int):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high,
+            f"a whole number from {low:,} to {high:,}")
+
+
+_BOOL = (lambda v: isinstance(v, bool), "true or false")
+_NAME = (lambda v: isinstance(v, str) and v.strip() == v and bool(v), "a non-empty name, such as auto")
+PLANNED_ENGINE_KWARGS: dict[str, Any] = {
+    "language_model_only": _BOOL,
+    "enable_eplb": _BOOL,
+    "moe_backend": _NAME,
+    "attention_backend": _NAME,
+    "mamba_ssm_cache_dtype": (lambda v: v in MAMBA_SSM_CACHE_DTYPES, f"one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}"),
+    "attention_config": {"use_prefill_query_quantization": _BOOL},
+    "eplb_config": {"num_redundant_experts": _is_count(0, 65_536), "window_size": _is_count(1, 10**9)},
+}
+"""The engine kwargs the planner reads, with what each must be: vLLM would refuse the rest of a wrong value, but the
+plan would be made from ``bool("false")`` or ``int(1.9)`` before it did. A mapping is a nested kwarg's own keys."""
+
+
+def _check_planned_kwargs(value: Mapping[str, Any], rules: Mapping[str, Any], where: str) -> None:
+    for key, rule in rules.items():
+        if key not in value:
+            continue
+        given = value[key]
+        if isinstance(rule, Mapping):
+            if not isinstance(given, Mapping):
+                raise ConfigError(f"{where}.{key}", given, f"expected a mapping with keys from: {', '.join(rule)}")
+            _check_planned_kwargs(given, rule, f"{where}.{key}")
+            continue
+        accepts, allowed = rule
+        if not accepts(given):
+            raise ConfigError(f"{where}.{key}", given, f"expected {allowed}")
 
 
 # A key written into the Serve config would be stored in Serve's checkpoints and shown by `serve status`
@@ -374,6 +418,7 @@ class ServeArgs(Section):
                 raise ConfigError(
                     f"args.engine_kwargs.{key}", value[key], f"set by this schema: use {OWNED_ENGINE_KWARGS[key]}"
                 )
+        _check_planned_kwargs(value, PLANNED_ENGINE_KWARGS, "args.engine_kwargs")
         return value
 
     @model_validator(mode="after")
@@ -503,6 +548,7 @@ STRICT_TYPE_WORDS = {
     "float_type": "expected a number, written as one (not true/false or text)",
     "bool_type": "expected true or false (not a number or text)",
     "string_type": "expected text (in YAML, quote a number or true: \"1\")",
+    "finite_number": "expected a finite number (not .inf or .nan)",
 }
 """The sections are strict (``Section.model_config``): YAML's ``true`` is not the count 1 and ``0`` is not false."""
 

@@ -60,6 +60,16 @@ def refuse_secrets(data: Any, root: str, *, source: str | None = None) -> None:
         raise ConfigError(field, NotShown(), SECRET_REFUSED, source=source)
 
 
+def refuse_token_text(text: str, field: str, *, source: str) -> None:
+    """A ``ConfigError`` naming the first line of a file's text that holds something shaped like a token: in a
+    comment or a key, where the field checks do not look, it would still be copied (``render`` carries a Serve config
+    into a RayService verbatim) or printed (a cluster file's node names)."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if looks_like_token(line):
+            raise ConfigError(field, NotShown(), f"expected no token in the file: line {number} holds text shaped like "
+                              "one (a comment or a name); keep secrets in the nodes' environment", source=source)
+
+
 class NotShown:
     """Stands for a value that may be a secret in an error message."""
 

@@ -8,14 +8,15 @@ Every problem (missing file, bad YAML, wrong import path, bad args) is one ``Con
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kimi_k3_serve.config.args import ServeArgs, config_error_from, dotted, load_args
-from kimi_k3_serve.config.secrets import NotShown, refuse_secrets
+from kimi_k3_serve.config.secrets import NotShown, refuse_secrets, refuse_token_text
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.inputs import load_yaml, read_text_file
+from kimi_k3_serve.inputs import is_host, load_yaml, read_text_file
 
 APP_IMPORT_PATH = "kimi_k3_serve.app:build_app"
 
@@ -51,6 +52,7 @@ def _read_and_validate(path: str | Path) -> tuple[dict[str, Any], str]:
     if not isinstance(data, dict):
         raise ConfigError("config", type(data).__name__, "expected a mapping with `applications`", source=source)
     refuse_secrets(data, "config", source=source)  # before Ray's schema, whose errors quote their input
+    refuse_token_text(text, "config", source=source)  # comments and keys too: render copies the file verbatim
 
     from kimi_k3_serve.config.serve_schema import accepts_without_ray
 
@@ -74,11 +76,21 @@ HTTP_SECONDS = ("keep_alive_timeout_s", "request_timeout_s")
 
 
 def _check_http_options(data: dict[str, Any], source: str) -> None:
-    """What Serve's schema lets through but its proxy cannot use: a port outside 1-65535 (or true), a negative,
-    infinite or non-numeric timeout. ``render`` and the ingress would otherwise carry them to the nodes."""
+    """What Serve's schema (or its snapshot) lets through but its proxy cannot use: a route prefix without its
+    leading /, a host that is no address, a port outside 1-65535 (or true), a negative, infinite or non-numeric
+    timeout. ``render`` and the ingress would otherwise carry them to the nodes."""
+    for i, app in enumerate(data.get("applications") or []):
+        prefix = app.get("route_prefix", "/") if isinstance(app, dict) else "/"
+        if prefix is not None and not (isinstance(prefix, str) and re.fullmatch(r"/|(/[^/\s{}]+)+", prefix)):
+            raise ConfigError(f"config.applications[{i}].route_prefix", prefix, "expected a path that starts with / "
+                              "and does not end with one (e.g. /v1), without spaces or {}", source=source)
     http = data.get("http_options")
     if not isinstance(http, dict):
         return
+    host = http.get("host", "127.0.0.1")
+    if not (isinstance(host, str) and is_host(host)):
+        raise ConfigError("config.http_options.host", host, "expected an IP address (127.0.0.1 keeps it to this host; "
+                          "0.0.0.0 listens on every interface) or a host name", source=source)
     port = http.get("port", 8000)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ConfigError("config.http_options.port", port, "expected a whole number from 1 to 65535", source=source)
