@@ -310,6 +310,11 @@ CLUSTER_CASES = [
          cluster=lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"].__setitem__(0, None)),
     Case("kuberay-replicas-above-max", "workerGroupSpecs[0].replicas", cluster_format="kuberay",
          cluster=_kuberay_group(replicas=5, maxReplicas=4)),
+    Case("simple-gpu-a-list", "nodes[0].gpu", cluster=_simple(gpu=["H200"])),
+    Case("simple-name-empty", "nodes[0].name", cluster=_simple(name="")),
+    Case("simple-unknown-top-key", "zz", cluster=lambda d: d.__setitem__("zz", 1)),
+    Case("launcher-cpu-true", "resources.CPU", cluster_format="launcher",
+         cluster=lambda d: d["available_node_types"]["gpu_8xh200"]["resources"].__setitem__("CPU", True)),
     Case("cluster-duplicate-key", "count", raw_cluster="nodes:\n  - {count: 2, gpu: H200, count: 1}\n"),
 ]
 

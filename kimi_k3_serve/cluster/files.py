@@ -176,6 +176,10 @@ def _from_simple(document: dict, source: str) -> ClusterInventory:
     groups = document["nodes"]
     if not isinstance(groups, list) or not groups:
         raise ConfigError("nodes", groups, "a non-empty list of {count, gpu, gpus}", source=source)
+    for key in document:
+        if key != "nodes":  # a cluster description holds its node groups only: anything else is a typo
+            raise ConfigError(str(key), document[key], "no other key beside nodes in a cluster description",
+                              source=source)
     nodes: list[NodeInfo] = []
     autoscaling: list[NodeTypeCapacity] = []
     for i, group in enumerate(groups):
@@ -187,8 +191,8 @@ def _from_simple(document: dict, source: str) -> ClusterInventory:
                               "allowed keys: name, count, gpu, gpus, free_bytes, max_count", source=source)
         count = _int(group.get("count", 1), f"{where}.count", source, minimum=0)
         gpu = group.get("gpu")
-        if gpu is None:
-            raise ConfigError(f"{where}.gpu", None, f"one of {', '.join(gpu_names())}", source=source)
+        if not isinstance(gpu, str):
+            raise ConfigError(f"{where}.gpu", gpu, f"one of {', '.join(gpu_names())}", source=source)
         spec = lookup_gpu(gpu, field=f"{where}.gpu")
         gpus = _int(group.get("gpus", spec.gpus_per_node), f"{where}.gpus", source, minimum=1,
                     maximum=MAX_GPUS_PER_NODE)
@@ -204,7 +208,10 @@ def _from_simple(document: dict, source: str) -> ClusterInventory:
                     raise ConfigError(f"{where}.free_bytes", value,
                                       f"at most the {spec.name} total of {spec.total_bytes} bytes", source=source)
             free = values if isinstance(free, list) else values[0]  # numeric strings read as integers
-        name = str(group.get("name", f"{spec.name.lower()}-{i}"))
+        name = group.get("name", f"{spec.name.lower()}-{i}")
+        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", name)):
+            raise ConfigError(f"{where}.name", name, "a node group name: letters, digits, _ . and -, 1 to 63 "
+                              "characters", source=source)
         nodes += _declared_nodes(name, spec.name, gpus, count, free_bytes=free, field_name=f"{where}.gpu")
         if "max_count" in group:
             max_count = _int(group["max_count"], f"{where}.max_count", source, minimum=count)
@@ -227,6 +234,10 @@ def _from_launcher(document: dict, source: str) -> ClusterInventory:
         where = f"available_node_types.{name}"
         node_type = _mapping(node_type, where, source)
         resources = _mapping(node_type.get("resources"), f"{where}.resources", source)
+        for key, amount in resources.items():  # Ray reads every one as a number: true or text is a typo here
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+                raise ConfigError(f"{where}.resources.{key}", amount, "a resource amount: a number >= 0",
+                                  source=source)
         node_config = _mapping(node_type.get("node_config"), f"{where}.node_config", source)
         instance_field, instance_name = None, None
         for key in ("InstanceType", "machineType", "vmSize", "instance_type"):
