@@ -16,6 +16,7 @@ import stat
 from typing import Any
 
 from kimi_k3_serve.errors import ConfigError
+from kimi_k3_serve.tokens import NotShown, looks_like_token
 
 MAX_FILE_BYTES = 4 * 2**20
 """Deploy configs, cluster files and config.json files are a few KiB; the largest shipped one is ~50 KiB."""
@@ -58,6 +59,16 @@ def read_text_file(path: str | os.PathLike, field: str, *, what: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(field, shown, f"expected {what} in UTF-8 text (byte {exc.start} is not UTF-8)") from None
+
+
+def refuse_token_text(text: str, field: str, *, source: str) -> None:
+    """A ``ConfigError`` naming the first line of a file's text that holds something shaped like a token: in a
+    comment or a key, where the field checks do not look, it would still be copied (``render`` carries a Serve config
+    into a RayService verbatim) or printed (a cluster file's node names)."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if looks_like_token(line):
+            raise ConfigError(field, NotShown(), f"expected no token in the file: line {number} holds text shaped like "
+                              "one (a comment or a name); keep secrets in the nodes' environment", source=source)
 
 
 def _kind(mode: int) -> str:

@@ -40,3 +40,10 @@ def looks_like_token(text: str) -> bool:
 def mask_tokens(text: str) -> str:
     """``text`` with every credential-shaped part replaced by ``<redacted>``."""
     return URL_PASSWORD.sub(rf"\1:{REDACTED}@", TOKEN_SHAPES.sub(REDACTED, text))
+
+
+class NotShown:
+    """Stands for a value that may be a secret in an error message."""
+
+    def __repr__(self) -> str:
+        return REDACTED

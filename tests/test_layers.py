@@ -30,7 +30,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PKG = "kimi_k3_serve"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", (PKG, f"{PKG}.errors", f"{PKG}.inputs", f"{PKG}.recorded", f"{PKG}.units")),
+    ("base", (PKG, f"{PKG}.errors", f"{PKG}.inputs", f"{PKG}.recorded", f"{PKG}.tokens", f"{PKG}.units")),
     ("models", (f"{PKG}.models",)),
     ("planning", (f"{PKG}.planning",)),
     ("cluster", (f"{PKG}.cluster", f"{PKG}.checkpoint")),

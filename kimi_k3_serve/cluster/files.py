@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.inputs import load_yaml, read_text_file
+from kimi_k3_serve.inputs import load_yaml, read_text_file, refuse_token_text
 from kimi_k3_serve.planning.hardware import GpuSpec, INSTANCE_TYPES, find_gpu_by_device_name, gpu_names, lookup_gpu, lookup_instance
 from kimi_k3_serve.planning.inventory import ClusterInventory, NodeInfo, NodeTypeCapacity, _declared_nodes
 
@@ -31,8 +31,6 @@ _UNBOUNDED = 2**31 - 1  # "no limit" for the launcher's global max_workers
 def load_cluster_file(path: str) -> ClusterInventory:
     """Read a cluster file; the format is recognised from its keys. Every problem is a ConfigError naming the
     field (``available_node_types.gpu_workers.resources.GPU``)."""
-    from kimi_k3_serve.config.secrets import refuse_token_text
-
     text = read_text_file(path, "cluster", what="a cluster file (YAML or JSON)")
     refuse_token_text(text, "cluster", source=path)  # node and type names are printed, and the file is copied
     documents = load_yaml(text, "cluster", path, all_documents=True)

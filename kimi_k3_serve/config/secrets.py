@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.tokens import REDACTED, looks_like_token
+from kimi_k3_serve.tokens import NotShown, looks_like_token
 
 SECRET_NAMES = frozenset({"key", "token", "secret", "password", "passwd", "apikey"})
 SECRET_SUFFIXES = ("_key", "_token", "_secret", "_password", "_passwd", "-key", "-token", "-secret", "-password")
@@ -58,20 +58,3 @@ def refuse_secrets(data: Any, root: str, *, source: str | None = None) -> None:
     field = secret_field(data, root)
     if field is not None:
         raise ConfigError(field, NotShown(), SECRET_REFUSED, source=source)
-
-
-def refuse_token_text(text: str, field: str, *, source: str) -> None:
-    """A ``ConfigError`` naming the first line of a file's text that holds something shaped like a token: in a
-    comment or a key, where the field checks do not look, it would still be copied (``render`` carries a Serve config
-    into a RayService verbatim) or printed (a cluster file's node names)."""
-    for number, line in enumerate(text.splitlines(), start=1):
-        if looks_like_token(line):
-            raise ConfigError(field, NotShown(), f"expected no token in the file: line {number} holds text shaped like "
-                              "one (a comment or a name); keep secrets in the nodes' environment", source=source)
-
-
-class NotShown:
-    """Stands for a value that may be a secret in an error message."""
-
-    def __repr__(self) -> str:
-        return REDACTED

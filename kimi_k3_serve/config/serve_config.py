@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from kimi_k3_serve.config.args import ServeArgs, config_error_from, dotted, load_args
-from kimi_k3_serve.config.secrets import NotShown, refuse_secrets, refuse_token_text
+from kimi_k3_serve.config.secrets import NotShown, refuse_secrets
 from kimi_k3_serve.errors import ConfigError
-from kimi_k3_serve.inputs import is_host, load_yaml, read_text_file
+from kimi_k3_serve.inputs import is_host, load_yaml, read_text_file, refuse_token_text
 
 APP_IMPORT_PATH = "kimi_k3_serve.app:build_app"
 
